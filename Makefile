@@ -1,0 +1,38 @@
+# Quick start: `make demo` then `make test`. Everything lives in .venv; nothing is installed by hand.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+MODEL  ?= smollm2-135m
+
+.PHONY: install install-dev demo test test-fast bench clean
+
+$(VENV)/.base:
+	$(PYTHON) -m venv $(VENV)
+	# torch first and pinned: the CPU build on this machine's disk, never a multi-GB CUDA download
+	$(PIP) install -q torch==2.13.0
+	touch $@
+
+$(VENV)/.installed: $(VENV)/.base pyproject.toml
+	$(PIP) install -q -e .
+	touch $@
+
+$(VENV)/.installed-dev: $(VENV)/.installed pyproject.toml
+	$(PIP) install -q -e '.[dev]'
+	touch $@
+
+install: $(VENV)/.installed
+install-dev: $(VENV)/.installed-dev
+
+demo: install
+	$(VENV)/bin/kvlab pull $(MODEL)
+	$(VENV)/bin/kvlab run $(MODEL) --chat "What is the capital of France? Answer in one sentence."
+
+test: install-dev
+	$(PY) -m pytest -q
+
+test-fast: install-dev
+	$(PY) -m pytest -q -m "not real"
+
+clean:
+	rm -rf $(VENV) build *.egg-info
