@@ -14,3 +14,27 @@ def real_model():
         return hub.pull(name, quiet=True)
 
     return get
+
+
+def pytest_configure(config):
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))  # tests/tiny.py is importable as `tiny`
+
+
+@pytest.fixture(scope="session")
+def tiny_chat_model(tmp_path_factory):
+    """A tiny random llama with a trained byte-level BPE tokenizer and a ChatML template."""
+    from tiny import add_tiny_tokenizer, build_tiny
+
+    directory = tmp_path_factory.mktemp("tiny-chat")
+    build_tiny("llama", directory)
+    return add_tiny_tokenizer(directory)
+
+
+@pytest.fixture(scope="session")
+def tiny_llm(tiny_chat_model):
+    from kvlab import LLM
+
+    return LLM(tiny_chat_model)

@@ -1,0 +1,202 @@
+"""`kvlab run` and `kvlab chat`: generate from a prompt, then say what each phase cost."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from kvlab.errors import KvlabError
+
+
+def register(subparsers) -> None:
+    run = subparsers.add_parser("run", help="generate from a prompt and print the cost of each phase")
+    run.add_argument("model", help="registry name (see `kvlab list`), .gguf file, or Hugging Face directory")
+    run.add_argument("prompt", help="the prompt text ('-' reads standard input)")
+    run.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    run.add_argument("--system", help="system message (with --chat)")
+    run.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    _add_model_args(run)
+    _add_sampling_args(run, default_temperature=0.0)
+    run.set_defaults(func=cmd_run)
+
+    chat = subparsers.add_parser("chat", help="interactive multi-turn chat that keeps the KV cache between turns")
+    chat.add_argument("model", help="registry name, .gguf file, or Hugging Face directory")
+    chat.add_argument("--system", help="system message")
+    _add_model_args(chat)
+    _add_sampling_args(chat, default_temperature=0.7)
+    chat.set_defaults(func=cmd_chat)
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model")
+    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    g.add_argument("--device", default="cpu", help="torch device: cpu, cuda, cuda:1, … (default cpu)")
+    g.add_argument("--threads", type=int, help="CPU threads for torch (default: torch's choice)")
+    g.add_argument("--max-model-len", type=int, help="context length to allow (default: the model's)")
+    g.add_argument("--no-cache", action="store_true", help="recompute the whole sequence every step (slow)")
+
+
+def _add_sampling_args(p: argparse.ArgumentParser, default_temperature: float) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=256)
+    g.add_argument("--temperature", type=float, default=default_temperature, help="0 is greedy")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0, help="0 or -1: off")
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--seed", type=int)
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
+
+
+def sampling_params(args):
+    from kvlab.sampling import SamplingParams
+
+    return SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty,
+        seed=args.seed,
+        stop=tuple(args.stop),
+        ignore_eos=args.ignore_eos,
+    )
+
+
+def _open_llm(args):
+    from kvlab.llm import LLM
+
+    if args.threads is not None and args.threads < 1:
+        raise KvlabError(f"--threads must be at least 1, got {args.threads}")
+    if args.max_model_len is not None and args.max_model_len < 2:
+        raise KvlabError(f"--max-model-len must be at least 2, got {args.max_model_len}")
+    _check_device(args.device)
+    return LLM(
+        args.model,
+        dtype=args.dtype,
+        device=args.device,
+        max_model_len=args.max_model_len,
+        use_cache=not args.no_cache,
+        threads=args.threads,
+    )
+
+
+def _check_device(device: str) -> None:
+    import torch
+
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise KvlabError(f"unknown device '{device}': use cpu, cuda or cuda:N") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise KvlabError("--device cuda asked for, but torch sees no CUDA device here")
+
+
+def cmd_run(args) -> int:
+    params = sampling_params(args)  # validate before the slow model load
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    llm = _open_llm(args)
+    if args.chat:
+        messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
+            {"role": "user", "content": prompt}
+        ]
+        stream = llm.chat_stream(messages, params)
+        stream.output.prompt = prompt
+    else:
+        stream = llm.stream(prompt, params)
+    if args.json:
+        out = stream.finish()
+        print(json.dumps(_json_output(llm, out, args), ensure_ascii=False))
+        return 0
+    for piece in stream:
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    print_report(llm, stream.output, args, file=sys.stderr)
+    return 0
+
+
+def cmd_chat(args) -> int:
+    params = sampling_params(args)
+    llm = _open_llm(args)
+    if llm.tokenizer is None or llm.tokenizer.chat_template is None:
+        raise KvlabError(f"{args.model} has no chat template: use `kvlab run` with a raw prompt")
+    session = llm.new_session() if not args.no_cache else None
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    print(f"kvlab chat with {args.model} ({args.dtype}, {args.device}). /reset clears, /exit or Ctrl-D ends.",
+          file=sys.stderr)  # fmt: skip
+    try:
+        while True:
+            try:
+                line = input(">>> ")
+            except EOFError:
+                print(file=sys.stderr)
+                return 0
+            if line.strip() in ("/exit", "/quit", "/bye"):
+                return 0
+            if line.strip() == "/reset":
+                messages = messages[:1] if args.system else []
+                session = llm.new_session() if session is not None else None
+                continue
+            if not line.strip():
+                continue
+            messages.append({"role": "user", "content": line})
+            stream = llm.chat_stream(messages, params, session=session)
+            for piece in stream:
+                sys.stdout.write(piece)
+                sys.stdout.flush()
+            sys.stdout.write("\n")
+            messages.append({"role": "assistant", "content": stream.output.text})
+            m = stream.output.metrics
+            print(f"[prefilled {m.prefill_tokens} new tokens, {m.cached_prompt_tokens} reused from the cache; "
+                  f"TTFT {m.ttft_s * 1000:.0f} ms; decode {m.decode_tok_s:.1f} tok/s; "
+                  f"KV cache {_mib(m.kv_cache_bytes)}]", file=sys.stderr)  # fmt: skip
+    except KeyboardInterrupt:
+        print("\n[chat ended]", file=sys.stderr)
+        return 0
+
+
+def _json_output(llm, out, args) -> dict:
+    d = out.to_dict()
+    d.update(
+        model=str(args.model),
+        dtype=args.dtype,
+        device=args.device,
+        threads=_threads(),
+        use_cache=not args.no_cache,
+        weight_bytes=llm.loaded.weight_bytes,
+        load_s=llm.loaded.load_s,
+    )
+    return d
+
+
+def _threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.2f} MiB"
+
+
+def print_report(llm, out, args, file) -> None:
+    """The phase breakdown printed after every answer."""
+    m = out.metrics
+    cache = "off (recomputing every step)" if args.no_cache else (
+        f"{_mib(m.kv_cache_bytes)} in use for {m.prompt_tokens + m.generated_tokens - 1} tokens, "
+        f"{_mib(m.kv_cache_allocated_bytes)} allocated"
+    )  # fmt: skip
+    lines = [
+        f"── {args.model}: {args.dtype} on {args.device}, {_threads()} threads, weights {llm.loaded.weight_bytes / 1e6:.1f} MB",
+        f"prompt     {m.prompt_tokens:6d} tokens   prefill {m.prefill_s:7.3f} s  {m.prefill_tok_s:8.1f} tok/s   "
+        f"TTFT {m.ttft_s * 1000:.0f} ms",
+        f"generated  {m.generated_tokens:6d} tokens   decode  {m.decode_s:7.3f} s  {m.decode_tok_s:8.1f} tok/s   "
+        f"TPOT {m.tpot_s * 1000:.1f} ms   ({out.finish_reason})",
+        f"KV cache   {cache}",
+        f"peak memory {m.peak_memory_bytes / 2**20:.0f} MiB",
+    ]  # fmt: skip
+    print("\n".join(lines), file=file)

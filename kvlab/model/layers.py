@@ -1,0 +1,53 @@
+"""Building blocks of the decoder: RMSNorm, a linear layer with a fast small-batch path, SwiGLU MLP."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvlab.kernels import linear
+
+
+class RMSNorm(nn.Module):
+    """x / sqrt(mean(x²) + eps) · weight, computed in float32 whatever the activations' dtype."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(dim), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
+        return self.weight * normed
+
+
+class Linear(nn.Module):
+    """y = x Wᵀ (+ b). W [out, in] as in the checkpoints.
+
+    Goes through `kvlab.kernels.linear`, which streams the weights with a GEMV kernel when only a few
+    rows come in on a CPU (decode) and uses the BLAS matmul otherwise (prefill, CUDA).
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
+
+
+class SwiGLU(nn.Module):
+    """down(silu(gate(x)) · up(x)), with gate and up fused into one [2·I, hidden] matrix."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.intermediate_size = intermediate_size
+        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size)
+        self.down_proj = Linear(intermediate_size, hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)  # [B, T, I] each
+        return self.down_proj(F.silu(gate) * up)

@@ -1,0 +1,79 @@
+"""Open a model argument (registry name, .gguf file, or Hugging Face directory) as a ready model."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kvlab.config import ModelConfig
+from kvlab.errors import KvlabError
+from kvlab.gguf_file import GGUFFile
+from kvlab.model.rope import RotaryEmbedding
+from kvlab.model.transformer import Transformer
+from kvlab.model.weights import iter_gguf, iter_safetensors, load_weights
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class LoadedModel:
+    model: Transformer
+    config: ModelConfig
+    path: Path  # the .gguf file or the directory it came from
+    load_s: float
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of every distinct parameter tensor in memory (a tied matrix counts once)."""
+        seen = {p.data_ptr(): p.numel() * p.element_size() for p in self.model.parameters()}
+        return sum(seen.values())
+
+    def decode_weight_bytes(self) -> int:
+        """Weight bytes one decode step streams: all but the embedding table, of which one row is read.
+
+        With tied embeddings the matrix is still read whole, as the LM head.
+        """
+        embed = self.model.embed_tokens.weight
+        tied = self.model.lm_head.weight is embed
+        return self.weight_bytes - (0 if tied else embed.numel() * embed.element_size())
+
+
+def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
+    if name not in DTYPES:
+        raise KvlabError(f"unknown dtype '{name}': use one of {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def resolve_source(source: str | Path) -> Path:
+    """A registry name becomes the pulled file's path; a path must exist."""
+    from kvlab.hub import resolve_model
+
+    return Path(resolve_model(str(source)))
+
+
+def load_model(source: str | Path, dtype="float32", device="cpu", max_positions: int | None = None) -> LoadedModel:
+    """Read the config and weights of `source` and build the model on `device` in `dtype`."""
+    start = time.perf_counter()
+    dtype, device = parse_dtype(dtype), torch.device(device)
+    path = resolve_source(source)
+    if path.is_dir():
+        config = ModelConfig.from_hf_dir(path)
+        tensors = iter_safetensors(path)
+    elif path.suffix == ".gguf" or path.is_file():
+        gguf = GGUFFile(path)
+        config = ModelConfig.from_gguf(gguf.metadata, {n: t.shape for n, t in gguf.tensors.items()})
+        tensors = iter_gguf(gguf, config)
+    else:
+        raise KvlabError(f"no such model file or directory: {path}")
+    with torch.device("meta"):
+        model = Transformer(config, max_positions=1)  # rotary tables are built for real below
+    load_weights(model, tensors, dtype, device)
+    positions = max_positions or config.max_position_embeddings
+    model.rotary = RotaryEmbedding(config.rope, config.head_dim, positions).to(device)
+    model.eval()
+    return LoadedModel(model=model, config=config, path=path, load_s=time.perf_counter() - start)

@@ -1,0 +1,106 @@
+"""The hand-written decoder: embeddings → N × (attention + MLP) → final norm → LM head.
+
+One forward serves prefill (many new tokens), decode (one new token per sequence) and
+no-cache recomputation: the difference is only in the cache and metadata it is handed.
+Shapes: B sequences, T new tokens, H query heads, Hkv key/value heads, D head dim, E hidden size.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvlab.config import ModelConfig
+from kvlab.kv.cache import AttentionMetadata, KVCache
+from kvlab.model.layers import Linear, RMSNorm, SwiGLU
+from kvlab.model.rope import RotaryEmbedding, apply_rotary
+
+
+class Attention(nn.Module):
+    """Grouped-query attention; K/V heads are shared by H/Hkv query heads without being copied."""
+
+    def __init__(self, config: ModelConfig, layer_index: int):
+        super().__init__()
+        self.layer_index = layer_index
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.split_sizes = [q_size, kv_size, kv_size]
+        self.qkv_proj = Linear(config.hidden_size, q_size + 2 * kv_size, bias=config.qkv_bias)
+        self.o_proj = Linear(q_size, config.hidden_size)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+
+    def forward(self, x, cos, sin, cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+        B, T, _ = x.shape
+        q, k, v = self.qkv_proj(x).split(self.split_sizes, dim=-1)
+        q = q.view(B, T, self.num_heads, self.head_dim)  # [B, T, H, D]
+        k = k.view(B, T, self.num_kv_heads, self.head_dim)  # [B, T, Hkv, D]
+        v = v.view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, Hkv, T, D]
+        if self.q_norm is not None:  # Qwen3: normalise each head before rotating it
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rotary(q.transpose(1, 2), cos, sin)  # [B, H, T, D]
+        k = apply_rotary(k.transpose(1, 2), cos, sin)  # [B, Hkv, T, D]
+
+        k_all, v_all = cache.update(self.layer_index, k, v, meta)  # [B, Hkv, start+T, D]
+        out = F.scaled_dot_product_attention(
+            q, k_all, v_all, attn_mask=meta.attn_mask, is_causal=meta.is_causal, enable_gqa=True
+        )  # [B, H, T, D]
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_index: int):
+        super().__init__()
+        self.input_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.attn = Attention(config, layer_index)
+        self.post_attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = SwiGLU(config.hidden_size, config.intermediate_size)
+
+    def forward(self, x, cos, sin, cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+        x = x + self.attn(self.input_norm(x), cos, sin, cache, meta)
+        return x + self.mlp(self.post_attn_norm(x))
+
+
+class Transformer(nn.Module):
+    """A decoder-only language model (Llama / Qwen2 / Qwen3 families)."""
+
+    def __init__(self, config: ModelConfig, max_positions: int | None = None):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # tied models reuse the embedding matrix as the LM head (set when weights load)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size)
+        self.rotary = RotaryEmbedding(
+            config.rope, config.head_dim, max_positions or config.max_position_embeddings
+        )
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        cache: KVCache,
+        meta: AttentionMetadata,
+        logits_index: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """input_ids [B, T] → logits [B, V] for the last new token of each sequence.
+
+        `logits_index` [N] picks other positions instead (logits [B, N, V]); the LM head, the
+        largest matrix of a small model, only ever runs on the positions that need logits.
+        """
+        x = self.embed_tokens(input_ids)  # [B, T, E]
+        cos, sin = self.rotary(meta.positions, x.dtype)  # [B, 1, T, D]
+        for layer in self.layers:
+            x = layer(x, cos, sin, cache, meta)
+        x = x[:, -1] if logits_index is None else x[:, logits_index]  # [B, E] or [B, N, E]
+        return self.lm_head(self.norm(x)).float()

@@ -1,0 +1,66 @@
+"""Real models pulled from PyPI: 64 greedy tokens identical to transformers on the same GGUF."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvlab import LLM, SamplingParams
+
+pytestmark = pytest.mark.real
+
+RAW_PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n    ",
+    "Once upon a time, in a small village,",
+]
+CHATS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [
+        {"role": "system", "content": "You are a terse assistant."},
+        {"role": "user", "content": "Name three primary colors."},
+    ],
+]
+GREEDY_64 = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module", params=["smollm2-135m", "qwen2.5-coder-0.5b"])
+def models(request, real_model):
+    import transformers
+
+    path = real_model(request.param)
+    ours = LLM(request.param)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    ).eval()
+    return request.param, ours, ref
+
+
+def reference_greedy(ref, ids: list[int], n: int) -> list[int]:
+    with torch.inference_mode():
+        out = ref.generate(
+            torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long), max_new_tokens=n,
+            do_sample=False, eos_token_id=None, pad_token_id=0,
+        )  # fmt: skip
+    return out[0, len(ids) :].tolist()
+
+
+@pytest.mark.parametrize("prompt", RAW_PROMPTS)
+def test_raw_prompt_64_greedy_tokens_match_transformers(models, prompt):
+    name, ours, ref = models
+    out = ours.generate(prompt, GREEDY_64)
+    assert out.token_ids == reference_greedy(ref, out.prompt_token_ids, 64), name
+
+
+@pytest.mark.parametrize("messages", CHATS, ids=["user", "system+user"])
+def test_chat_prompt_64_greedy_tokens_match_transformers(models, messages):
+    name, ours, ref = models
+    out = ours.chat(messages, GREEDY_64)
+    assert out.token_ids == reference_greedy(ref, out.prompt_token_ids, 64), name
+
+
+def test_answers_paris(models):
+    name, ours, _ = models
+    out = ours.chat(CHATS[0], SamplingParams(max_tokens=32, temperature=0))
+    assert "Paris" in out.text, (name, out.text)
+    assert out.finish_reason == "stop"  # the model ends its turn with its own end-of-turn token
