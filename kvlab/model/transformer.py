@@ -8,11 +8,11 @@ Shapes: B sequences, T new tokens, H query heads, Hkv key/value heads, D head di
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kvlab.config import ModelConfig
 from kvlab.kv.cache import AttentionMetadata, KVCache
+from kvlab.model.attention import ATTENTION_BACKENDS, sdpa_attention
 from kvlab.model.layers import Linear, RMSNorm, SwiGLU
 from kvlab.model.rope import RotaryEmbedding, apply_rotary
 
@@ -30,6 +30,7 @@ class Attention(nn.Module):
         self.o_proj = Linear(q_size, config.hidden_size)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.attend = sdpa_attention  # see kvlab.model.attention; Transformer.set_attention swaps it
 
     def forward(self, x, cos, sin, cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         B, T, _ = x.shape
@@ -43,9 +44,7 @@ class Attention(nn.Module):
         k = apply_rotary(k.transpose(1, 2), cos, sin)  # [B, Hkv, T, D]
 
         k_all, v_all = cache.update(self.layer_index, k, v, meta)  # [B, Hkv, start+T, D]
-        out = F.scaled_dot_product_attention(
-            q, k_all, v_all, attn_mask=meta.attn_mask, is_causal=meta.is_causal, enable_gqa=True
-        )  # [B, H, T, D]
+        out = self.attend(q, k_all, v_all, meta)  # [B, H, T, D]
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -77,6 +76,13 @@ class Transformer(nn.Module):
         self.rotary = RotaryEmbedding(
             config.rope, config.head_dim, max_positions or config.max_position_embeddings
         )
+
+    def set_attention(self, name: str) -> None:
+        """Choose the attention implementation for every layer: "sdpa" (default) or "materialized"."""
+        if name not in ATTENTION_BACKENDS:
+            raise ValueError(f"unknown attention '{name}': {', '.join(ATTENTION_BACKENDS)}")
+        for layer in self.layers:
+            layer.attn.attend = ATTENTION_BACKENDS[name]
 
     @property
     def device(self) -> torch.device:

@@ -1,0 +1,45 @@
+"""Attention implementations: how new queries look at the cached keys and values.
+
+Both take q [B, H, T, D] and k, v [B, Hkv, L, D] (L = cached + new tokens) and return [B, H, T, D].
+Query head h reads key/value head h // (H / Hkv); neither copies K or V per query head.
+
+- `sdpa`: PyTorch's fused scaled_dot_product_attention, which works block by block and never holds
+  the whole [T, L] score matrix (the FlashAttention idea). The default.
+- `materialized`: the textbook form, scores = q kᵀ / √D as one [B, H, T, L] tensor, masked,
+  softmaxed, times v. Kept for the lab, to show what fusing saves at long prompts.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from kvlab.kv.cache import AttentionMetadata
+
+
+def sdpa_attention(q, k, v, meta: AttentionMetadata) -> torch.Tensor:
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=meta.attn_mask, is_causal=meta.is_causal, enable_gqa=True)
+
+
+def materialized_attention(q, k, v, meta: AttentionMetadata) -> torch.Tensor:
+    B, H, T, D = q.shape
+    Hkv, L = k.shape[1], k.shape[2]
+    group = H // Hkv
+    qg = q.reshape(B, Hkv, group * T, D)  # the `group` query heads sharing a K/V head, stacked as rows
+    scores = (qg @ k.transpose(-1, -2)).view(B, Hkv, group, T, L) / math.sqrt(D)  # [B, Hkv, g, T, L]
+    # query t (position start + t) may see keys 0 .. start + t
+    allowed = torch.arange(L, device=q.device)[None, :] <= (L - T + torch.arange(T, device=q.device))[:, None]
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    weights = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+    out = weights.view(B, Hkv, group * T, L) @ v  # [B, Hkv, g·T, D]
+    return out.view(B, H, T, D)
+
+
+ATTENTION_BACKENDS = {"sdpa": sdpa_attention, "materialized": materialized_attention}
+
+
+def score_matrix_bytes(num_heads: int, new_tokens: int, context: int, dtype=torch.float32, batch: int = 1) -> int:
+    """Bytes of one layer's [B, H, T, L] score matrix in the materialized form."""
+    return batch * num_heads * new_tokens * context * torch.finfo(dtype).bits // 8
