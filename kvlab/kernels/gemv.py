@@ -25,12 +25,19 @@ import torch.nn.functional as F
 MAX_ROWS = 8  # beyond this many activation rows the BLAS matmul is compute-efficient enough
 _SOURCE = Path(__file__).with_name("gemv.c")
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
-_FUNCTIONS = {torch.float32: "kvlab_gemv_f32", torch.bfloat16: "kvlab_gemv_bf16", torch.float16: "kvlab_gemv_f16"}
-_state: dict = {}  # "lib" → loaded library or None (compile failed), filled once per process
+_NAMES = {torch.float32: "kvlab_gemv_f32", torch.bfloat16: "kvlab_gemv_bf16", torch.float16: "kvlab_gemv_f16"}
+# weight dtype → compiled function; {} until first use, stays {} when disabled or unavailable
+_kernels: dict[torch.dtype, object] = {}
+_state = {"enabled": os.environ.get("KVLAB_KERNELS", "1") != "0", "loaded": False}
+
+
+def set_kernels_enabled(enabled: bool) -> None:
+    """Turn the GEMV path on or off for this process (off: every call uses BLAS)."""
+    _state["enabled"] = enabled
 
 
 def kernels_enabled() -> bool:
-    return os.environ.get("KVLAB_KERNELS", "1") != "0"
+    return _state["enabled"]
 
 
 def _cpu_fingerprint() -> str:
@@ -55,10 +62,9 @@ def _build(target: Path) -> None:
         os.replace(out, target)  # atomic: a half-written library is never loaded
 
 
-def _library():
-    if "lib" in _state:
-        return _state["lib"]
-    _state["lib"] = None
+def _load() -> None:
+    """Compile (once per machine and source version) and load the kernels; silently stay empty on failure."""
+    _state["loaded"] = True
     from kvlab.hub import kvlab_home
 
     key = hashlib.sha256(_SOURCE.read_bytes() + " ".join(_FLAGS).encode() + _cpu_fingerprint().encode())
@@ -68,37 +74,40 @@ def _library():
             _build(target)
         lib = ctypes.CDLL(str(target))
     except (OSError, subprocess.CalledProcessError):
-        return None  # no compiler or an odd platform: BLAS serves every call
-    for name in _FUNCTIONS.values():
+        return  # no compiler or an odd platform: BLAS serves every call
+    for dtype, name in _NAMES.items():
         fn = getattr(lib, name)
         fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3
         fn.restype = None
-    _state["lib"] = lib
-    return lib
+        _kernels[dtype] = fn
 
 
 def gemv_available() -> bool:
-    return kernels_enabled() and _library() is not None
+    if not _state["loaded"]:
+        _load()
+    return kernels_enabled() and bool(_kernels)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., in] @ weight[out, in]ᵀ (+ bias) → [..., out]."""
     out_features, in_features = weight.shape
     rows = x.numel() // in_features
-    if (
-        rows > MAX_ROWS
-        or x.device.type != "cpu"
-        or weight.dtype not in _FUNCTIONS
-        or not weight.is_contiguous()
-        or not kernels_enabled()
-        or _library() is None
-    ):
-        return F.linear(x, weight, bias)
-    xf = x.reshape(rows, in_features).to(torch.float32).contiguous()
-    bf = None if bias is None else bias.to(torch.float32).contiguous()
-    y = torch.empty(rows, out_features, dtype=torch.float32)
-    getattr(_state["lib"], _FUNCTIONS[weight.dtype])(
-        weight.data_ptr(), xf.data_ptr(), 0 if bf is None else bf.data_ptr(), y.data_ptr(),
-        rows, in_features, out_features,
-    )  # fmt: skip
-    return y.to(x.dtype).view(*x.shape[:-1], out_features)
+    if rows <= MAX_ROWS and _state["enabled"] and x.device.type == "cpu":
+        if not _state["loaded"]:
+            _load()
+        fn = _kernels.get(weight.dtype)
+        if fn is not None and weight.is_contiguous():
+            return _gemv(fn, x, weight, bias, rows, in_features, out_features)
+    return F.linear(x, weight, bias)
+
+
+def _gemv(fn, x, weight, bias, rows: int, in_features: int, out_features: int) -> torch.Tensor:
+    xf = x if x.dtype == torch.float32 and x.is_contiguous() else x.float().contiguous()
+    if bias is not None and bias.dtype != torch.float32:
+        bias = bias.float()
+    y = torch.empty(rows, out_features)
+    fn(weight.data_ptr(), xf.data_ptr(), 0 if bias is None else bias.data_ptr(), y.data_ptr(),
+       rows, in_features, out_features)  # fmt: skip
+    if x.dtype != torch.float32:
+        y = y.to(x.dtype)
+    return y.view(*x.shape[:-1], out_features)

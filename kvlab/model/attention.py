@@ -20,6 +20,13 @@ from kvlab.kv.cache import AttentionMetadata
 
 
 def sdpa_attention(q, k, v, meta: AttentionMetadata) -> torch.Tensor:
+    B, H, T, D = q.shape
+    Hkv = k.shape[1]
+    if T == 1 and H != Hkv:
+        # decode: one query per head needs no mask, so the H/Hkv query heads that share a K/V head
+        # can stand as rows of one head: plain attention over Hkv heads, no GQA expansion at all
+        out = F.scaled_dot_product_attention(q.view(B, Hkv, H // Hkv, D), k, v)
+        return out.view(B, H, 1, D)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=meta.attn_mask, is_causal=meta.is_causal, enable_gqa=True)
 
 

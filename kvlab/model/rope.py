@@ -77,7 +77,11 @@ def _yarn(rope: RopeConfig, dim: int) -> tuple[torch.Tensor, float]:
 
 
 class RotaryEmbedding(torch.nn.Module):
-    """Precomputed cos/sin tables [max_positions, head_dim], looked up by position."""
+    """Precomputed tables [max_positions, head_dim], looked up by position.
+
+    `sin` is stored with the first half negated, so that the rotation needs no concatenation:
+    rotate_half(x) · sin == roll(x, D/2) · [−sin, sin].
+    """
 
     def __init__(self, rope: RopeConfig, head_dim: int, max_positions: int):
         super().__init__()
@@ -85,16 +89,15 @@ class RotaryEmbedding(torch.nn.Module):
         positions = torch.arange(max_positions, dtype=torch.float32)
         freqs = torch.outer(positions, inv_freq)  # [P, D/2]
         angles = torch.cat([freqs, freqs], dim=-1)  # [P, D]: both halves of a pair share an angle
+        sign = torch.cat([-torch.ones(head_dim // 2), torch.ones(head_dim // 2)])
         self.register_buffer("cos", angles.cos() * scaling, persistent=False)
-        self.register_buffer("sin", angles.sin() * scaling, persistent=False)
+        self.register_buffer("sin", angles.sin() * scaling * sign, persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [B, T] → cos, sin [B, 1, T, D] in the activations' dtype."""
-        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
+        """positions [B, T] → cos, signed sin [B, T, 1, D] (broadcast over heads) in the activations' dtype."""
+        return self.cos[positions].unsqueeze(2).to(dtype), self.sin[positions].unsqueeze(2).to(dtype)
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [B, H, T, D]: (x1, x2) → (x1·cos − x2·sin, x2·cos + x1·sin) per channel pair."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [B, T, heads, D]: (x1, x2) → (x1·cos − x2·sin, x2·cos + x1·sin) per channel pair."""
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), signed_sin)

@@ -34,14 +34,15 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         B, T, _ = x.shape
-        q, k, v = self.qkv_proj(x).split(self.split_sizes, dim=-1)
-        q = q.view(B, T, self.num_heads, self.head_dim)  # [B, T, H, D]
-        k = k.view(B, T, self.num_kv_heads, self.head_dim)  # [B, T, Hkv, D]
-        v = v.view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, Hkv, T, D]
-        if self.q_norm is not None:  # Qwen3: normalise each head before rotating it
-            q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rotary(q.transpose(1, 2), cos, sin)  # [B, H, T, D]
-        k = apply_rotary(k.transpose(1, 2), cos, sin)  # [B, Hkv, T, D]
+        H, Hkv = self.num_heads, self.num_kv_heads
+        qkv = self.qkv_proj(x).view(B, T, H + 2 * Hkv, self.head_dim)  # q heads, then k, then v
+        qk, v = qkv[:, :, : H + Hkv], qkv[:, :, H + Hkv :]
+        if self.q_norm is not None:  # Qwen3: normalise each head of q and k before rotating it
+            qk = torch.cat([self.q_norm(qk[:, :, :H]), self.k_norm(qk[:, :, H:])], dim=2)
+        qk = apply_rotary(qk, cos, sin)  # q and k rotated together: [B, T, H + Hkv, D]
+        q = qk[:, :, :H].transpose(1, 2)  # [B, H, T, D]
+        k = qk[:, :, H:].transpose(1, 2)  # [B, Hkv, T, D]
+        v = v.transpose(1, 2)  # [B, Hkv, T, D]
 
         k_all, v_all = cache.update(self.layer_index, k, v, meta)  # [B, Hkv, start+T, D]
         out = self.attend(q, k_all, v_all, meta)  # [B, H, T, D]
@@ -105,7 +106,7 @@ class Transformer(nn.Module):
         largest matrix of a small model, only ever runs on the positions that need logits.
         """
         x = self.embed_tokens(input_ids)  # [B, T, E]
-        cos, sin = self.rotary(meta.positions, x.dtype)  # [B, 1, T, D]
+        cos, sin = self.rotary(meta.positions, x.dtype)  # [B, T, 1, D]
         for layer in self.layers:
             x = layer(x, cos, sin, cache, meta)
         x = x[:, -1] if logits_index is None else x[:, logits_index]  # [B, E] or [B, N, E]

@@ -1,0 +1,64 @@
+"""The decode GEMV kernel: same numbers as BLAS, same tokens with it on or off."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvlab.kernels import gemv
+from kvlab.kernels.gemv import gemv_available, linear, set_kernels_enabled
+
+needs_kernel = pytest.mark.skipif(not gemv_available(), reason="no C compiler: BLAS serves every call")
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-4), (torch.bfloat16, 0.0), (torch.float16, 0.0)])
+@pytest.mark.parametrize("rows", [1, 2, 5, 8])
+@pytest.mark.parametrize("in_f, out_f", [(64, 96), (577, 1003), (13, 5), (1536, 576)])
+def test_kernel_matches_blas(dtype, tol, rows, in_f, out_f):
+    g = torch.Generator().manual_seed(rows * 1000 + in_f)
+    w = torch.randn(out_f, in_f, generator=g).to(dtype)
+    x = torch.randn(1, rows, in_f, generator=g).to(dtype)
+    b = torch.randn(out_f, generator=g).to(dtype)
+    for bias in (None, b):
+        got = linear(x, w, bias)
+        assert got.shape == (1, rows, out_f) and got.dtype == dtype
+        # reference: float32 math on the same (rounded) inputs, rounded once to the output dtype
+        ref = F.linear(x.float(), w.float(), None if bias is None else bias.float())
+        scale = ref.abs().max().item()
+        if dtype == torch.float32:
+            assert (got - ref).abs().max().item() <= tol * max(scale, 1.0)
+        else:  # one rounding of the float32 result: within one unit in the last place
+            assert torch.allclose(got.float(), ref.to(dtype).float(), rtol=2 ** -7, atol=1e-3 * scale)
+
+
+def test_disabled_or_many_rows_use_blas(monkeypatch):
+    calls = []
+    monkeypatch.setattr(gemv, "_gemv", lambda *a: calls.append(1) or F.linear(a[1], a[2], a[3]))
+    w, x = torch.randn(32, 16), torch.randn(1, 16)
+    set_kernels_enabled(False)
+    try:
+        linear(x, w)
+        assert calls == []
+    finally:
+        set_kernels_enabled(True)
+    linear(torch.randn(gemv.MAX_ROWS + 1, 16), w)  # prefill-sized: BLAS
+    assert calls == []
+    if gemv_available():
+        linear(x, w)
+        assert calls == [1]
+
+
+@needs_kernel
+def test_greedy_tokens_identical_with_and_without_kernel(tiny_llm):
+    from kvlab import SamplingParams
+
+    p = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
+    with_kernel = tiny_llm.generate("The capital of France is", p).token_ids
+    set_kernels_enabled(False)
+    try:
+        without = tiny_llm.generate("The capital of France is", p).token_ids
+    finally:
+        set_kernels_enabled(True)
+    assert with_kernel == without
