@@ -53,7 +53,8 @@ class GGUFFile:
         if not self.path.is_file():
             raise KvlabError(f"no such file: {self.path}")
         try:
-            self._map = np.memmap(self.path, dtype=np.uint8, mode="r")
+            # a plain ndarray view of the map: slicing np.memmap objects costs a Python hook per slice
+            self._map = np.asarray(np.memmap(self.path, dtype=np.uint8, mode="r"))
         except (OSError, ValueError) as e:  # empty or unreadable
             raise KvlabError(f"cannot read {self.path} as GGUF ({e}); pull or download it again") from None
         try:

@@ -3,7 +3,7 @@
 A decode step multiplies one activation row per sequence by every weight matrix, so its time is
 the time to read the weights. PyTorch's CPU matmul reads them at well under the memory's speed
 when only one row comes in; `gemv.c` reads each matrix once, in order, on all threads. It is
-compiled at first use with the machine's C compiler (`-march=native`, OpenMP) into
+compiled at first use with the machine's C compiler (`-march=native`, its own thread pool) into
 $KVLAB_HOME/kernels and loaded with ctypes. Without a compiler, on CUDA, or with
 KVLAB_KERNELS=0, every call goes to `torch.nn.functional.linear`.
 """
@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 MAX_ROWS = 8  # beyond this many activation rows the BLAS matmul is compute-efficient enough
 _SOURCE = Path(__file__).with_name("gemv.c")
-_FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
+_FLAGS = ["-O3", "-march=native", "-pthread", "-shared", "-fPIC", "-std=gnu11"]
 _NAMES = {torch.float32: "kvlab_gemv_f32", torch.bfloat16: "kvlab_gemv_bf16", torch.float16: "kvlab_gemv_f16"}
 # weight dtype → compiled function; {} until first use, stays {} when disabled or unavailable
 _kernels: dict[torch.dtype, object] = {}
@@ -77,7 +77,7 @@ def _load() -> None:
         return  # no compiler or an odd platform: BLAS serves every call
     for dtype, name in _NAMES.items():
         fn = getattr(lib, name)
-        fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3
+        fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3 + [ctypes.c_int]
         fn.restype = None
         _kernels[dtype] = fn
 
@@ -107,7 +107,7 @@ def _gemv(fn, x, weight, bias, rows: int, in_features: int, out_features: int) -
         bias = bias.float()
     y = torch.empty(rows, out_features)
     fn(weight.data_ptr(), xf.data_ptr(), 0 if bias is None else bias.data_ptr(), y.data_ptr(),
-       rows, in_features, out_features)  # fmt: skip
+       rows, in_features, out_features, torch.get_num_threads())  # fmt: skip
     if x.dtype != torch.float32:
         y = y.to(x.dtype)
     return y.view(*x.shape[:-1], out_features)
