@@ -22,6 +22,9 @@
 #include <stdint.h>
 #include <string.h>
 #include <time.h>
+#if defined(__AVX2__) || defined(__F16C__)
+#include <immintrin.h>  // one-instruction widening of 16-bit weights where the CPU has it
+#endif
 
 #define BLOCK 4  // output rows per work item
 
@@ -36,6 +39,12 @@ static inline v8f load_f32(const float* p) {
     return v;
 }
 
+#if defined(__AVX2__)
+static inline v8f load_bf16(const uint16_t* p) {  // bfloat16 is the top half of a float32
+    __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p));
+    return (v8f)_mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+#else
 static inline v8f load_bf16(const uint16_t* p) {  // bfloat16 is the top half of a float32
     v8u16 h;
     memcpy(&h, p, sizeof h);
@@ -44,12 +53,17 @@ static inline v8f load_bf16(const uint16_t* p) {  // bfloat16 is the top half of
     memcpy(&v, &bits, sizeof v);
     return v;
 }
+#endif
 
+#if defined(__F16C__)
+static inline v8f load_f16(const _Float16* p) { return (v8f)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
+#else
 static inline v8f load_f16(const _Float16* p) {
     v8f16 h;
     memcpy(&h, p, sizeof h);
     return __builtin_convertvector(h, v8f);
 }
+#endif
 
 static inline float scalar_f32(float v) { return v; }
 static inline float scalar_bf16(uint16_t h) {
