@@ -14,7 +14,7 @@ needs_kernel = pytest.mark.skipif(not gemv_available(), reason="no C compiler: B
 
 @needs_kernel
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-4), (torch.bfloat16, 0.0), (torch.float16, 0.0)])
-@pytest.mark.parametrize("rows", [1, 2, 5, 8])
+@pytest.mark.parametrize("rows", [1, 2, 5, 8, 17, 32])
 @pytest.mark.parametrize("in_f, out_f", [(64, 96), (577, 1003), (13, 5), (1536, 576)])
 def test_kernel_matches_blas(dtype, tol, rows, in_f, out_f):
     g = torch.Generator().manual_seed(rows * 1000 + in_f)
