@@ -17,6 +17,9 @@ COMMAND_MODULES = [
     "kvlab.hub_cli",
     "kvlab.generate_cli",
     "kvlab.memory.cli",
+    "kvlab.lab.cli",
+    "kvlab.server.cli",
+    "kvlab.bench.cli",
 ]
 
 

@@ -1,150 +1,229 @@
-"""The single-sequence engine: prefill the new prompt tokens in one pass, then decode one token per step.
+"""LLMEngine: many requests, one batched forward per step, over a paged KV cache.
 
-    tokens ─► Engine.generate() ─► prefill forward ─► sample ─► decode forward ─► sample ─► …
-                 │ a Session keeps the cache and the ids it holds between chat turns
+    add_request ─► Scheduler ─► ModelRunner ─► Transformer ─► Sampler ─► OutputState ─► StepOutput
+                   what runs    tensors,       attention       tokens    text, stop
+                   this step    slot mapping   through blocks            strings
 
-It yields token ids as they are sampled and fills a RequestMetrics as it goes; text, stop strings
-and streaming are the caller's (kvlab.llm). With `use_cache=False` every step recomputes the whole
-sequence (the lab's comparison).
+`step()` is the whole engine: schedule → prepare inputs → forward → sample → update and detokenize,
+each timed (`stats`). Callers add requests and call `step()` until `has_unfinished_requests` is
+False: the offline `LLM` does it in its own thread, the server in an engine thread.
+
+The single-sequence reference engine (`Engine`, `Session`) lives in `kvlab.runner.single` and is
+re-exported here for the lab and the core benchmark.
 """
 
 from __future__ import annotations
 
-import resource
+import itertools
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from kvlab.errors import KvlabError
-from kvlab.kv.cache import ContiguousKVCache, KVCache, NoCache
+from kvlab.kv.manager import KVCacheManager, KVLedger
+from kvlab.kv.paged import PagedKVCache
 from kvlab.model.loader import LoadedModel
-from kvlab.output.result import RequestMetrics
+from kvlab.output.processor import OutputState, StepOutput
+from kvlab.output.result import RequestOutput
+from kvlab.request import Request, RequestStatus
+from kvlab.runner.memory_plan import KVPoolPlan, plan_kv_pool
+from kvlab.runner.model_runner import ModelRunner
+from kvlab.runner.single import Engine, Session, common_prefix_len, peak_memory_bytes  # noqa: F401
 from kvlab.sampling.params import SamplingParams
-from kvlab.sampling.sampler import Sampler
+from kvlab.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from kvlab.stats import STEP_PHASES, EngineStats
 
 
-@dataclass
-class Session:
-    """A conversation's cache and the token ids whose K/V it holds (kept between turns)."""
+@dataclass(frozen=True)
+class EngineConfig:
+    """How the serving engine is sized. None means: the model's context / a share of free memory."""
 
-    cache: ContiguousKVCache
-    cached_ids: list[int] = field(default_factory=list)
-
-
-def common_prefix_len(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
-
-
-def peak_memory_bytes(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device)
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+    max_model_len: int | None = None
+    block_size: int = 16
+    kv_memory_bytes: int | None = None
+    kv_memory_fraction: float | None = None
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 512
+    enable_prefix_caching: bool = True
+    use_cache: bool = True  # False: recompute every token every step (the KV cache's counterfactual)
+    pack_prompts: bool = True  # prompt chunks in the decodes' forward (True) or in forwards of their own
 
 
-class Engine:
-    def __init__(self, loaded: LoadedModel, max_model_len: int | None = None, use_cache: bool = True):
-        self.loaded = loaded
-        self.model = loaded.model
-        self.config = loaded.config
-        self.device = self.model.device
-        self.max_model_len = min(max_model_len or self.config.max_position_embeddings, self.model.rotary.cos.shape[0])
-        self.use_cache = use_cache
-        self.eos_token_ids: tuple[int, ...] = self.config.eos_token_ids
+class LLMEngine:
+    def __init__(self, loaded: LoadedModel, tokenizer=None, config: EngineConfig | None = None):
+        config = config or EngineConfig()
+        self.config, self.loaded, self.tokenizer = config, loaded, tokenizer
+        model, model_config = loaded.model, loaded.config
+        context = config.max_model_len or model_config.max_position_embeddings
+        self.max_model_len = min(context, model.rotary.cos.shape[0])
+        self.eos_token_ids: tuple[int, ...] = model_config.eos_token_ids
+        self.pool_plan: KVPoolPlan = plan_kv_pool(
+            model_config, model.dtype, model.device, config.block_size, self.max_model_len,
+            config.kv_memory_bytes, config.kv_memory_fraction, config.max_num_seqs,
+        )  # fmt: skip
+        num_blocks = self.pool_plan.num_blocks
+        self.cache = PagedKVCache.for_model(model_config, num_blocks, config.block_size, model.dtype, model.device)
+        prefix_caching = config.enable_prefix_caching and config.use_cache
+        self.kv = KVCacheManager(num_blocks, config.block_size, prefix_caching)
+        scheduler_config = SchedulerConfig(self.max_model_len, config.max_num_seqs, config.max_num_batched_tokens,
+                                           recompute_every_step=not config.use_cache)  # fmt: skip
+        self.scheduler = Scheduler(scheduler_config, self.kv)
+        self.runner = ModelRunner(model, self.cache, pack_prompts=config.pack_prompts)
+        self.stats = EngineStats()
+        self._states: dict[str, tuple[Request, OutputState]] = {}
+        self._ids = itertools.count()
 
-    def new_session(self, capacity: int = 256) -> Session:
-        cache = ContiguousKVCache.for_model(
-            self.config, min(capacity, self.max_model_len), dtype=self.model.dtype, device=self.device
-        )
-        return Session(cache)
+    # ---- requests in and out -----------------------------------------------------------------------
 
-    @torch.inference_mode()
-    def forward(self, ids: list[int], cache: KVCache) -> torch.Tensor:
-        """Append `ids` to the (single) sequence in `cache`; logits [V] of the last one."""
-        input_ids = torch.tensor([ids], dtype=torch.long, device=self.device)
-        meta = cache.plan(len(ids))
-        logits = self.model(input_ids, cache, meta)[0]
-        cache.commit(meta)
-        return logits
+    def check_prompt(self, prompt_ids: list[int], max_tokens: int | None = None) -> None:
+        """Raise KvlabError for an empty prompt, one that leaves no room in the context, or unknown token ids.
 
-    def check_prompt(self, prompt_ids: list[int]) -> None:
+        With `max_tokens`, the prompt and max_tokens must fit together (the server's rule); without it
+        generation simply stops at the context's end.
+        """
         if not prompt_ids:
             raise KvlabError("the prompt is empty: give at least one token")
-        if len(prompt_ids) >= self.max_model_len:
+        total = len(prompt_ids) + (max_tokens or 1)
+        if len(prompt_ids) >= self.max_model_len or total > self.max_model_len:
+            asked = f"{len(prompt_ids)} prompt tokens" + (f" + {max_tokens} max_tokens" if max_tokens else "")
             raise KvlabError(
-                f"the prompt is {len(prompt_ids)} tokens; the context holds {self.max_model_len} "
-                f"(prompt and answer together): shorten the prompt"
+                f"{asked} do not fit the context of {self.max_model_len} tokens "
+                f"(prompt and answer together): shorten the prompt" + (" or lower max_tokens" if max_tokens else "")
             )
-        bad = [t for t in prompt_ids if not 0 <= t < self.config.vocab_size]
+        vocab = self.loaded.config.vocab_size
+        bad = [t for t in prompt_ids if not (isinstance(t, int) and 0 <= t < vocab)]
         if bad:
-            raise KvlabError(f"token id {bad[0]} is outside the vocabulary (0..{self.config.vocab_size - 1})")
+            raise KvlabError(f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
 
-    def generate(
+    def add_request(
         self,
-        prompt_ids: list[int],
+        prompt_token_ids: list[int],
         params: SamplingParams,
-        metrics: RequestMetrics,
-        session: Session | None = None,
-    ) -> Iterator[int]:
-        """Yield each new token id. Stops at EOS (unless ignore_eos), max_tokens or the context's end.
+        request_id: str | None = None,
+        output: RequestOutput | None = None,
+        arrival_s: float | None = None,
+    ) -> str:
+        """Queue a request; it runs from the next step on. Returns its id."""
+        self.check_prompt(prompt_token_ids)
+        request_id = request_id or f"req-{next(self._ids)}"
+        if request_id in self._states:
+            raise KvlabError(f"request id {request_id!r} is already in the engine")
+        request = Request(
+            request_id, list(prompt_token_ids), params,
+            max_tokens=min(params.max_tokens, self.max_model_len - len(prompt_token_ids)),
+            eos_token_ids=frozenset(self.eos_token_ids), arrival_s=arrival_s or time.perf_counter(),
+        )  # fmt: skip
+        output = output or RequestOutput(prompt=None, prompt_token_ids=list(prompt_token_ids))
+        output.request_id = request_id
+        self._states[request_id] = (request, OutputState(request, self.tokenizer, output))
+        self.scheduler.add_request(request)
+        return request_id
 
-        The caller may stop early (a stop string) by closing the generator; no forward runs after the
-        last token is yielded.
-        """
-        self.check_prompt(prompt_ids)
-        start = time.perf_counter()
-        max_new = min(params.max_tokens, self.max_model_len - len(prompt_ids))
-        sampler = Sampler(params, self.device)
-        history = torch.tensor(prompt_ids, device=self.device) if params.repetition_penalty != 1.0 else None
-        metrics.prompt_tokens = len(prompt_ids)
+    def abort_request(self, request_id: str) -> StepOutput | None:
+        """Stop a request now (its blocks go back to the pool); None if it is not in the engine."""
+        entry = self._states.get(request_id)
+        if entry is None:
+            return None
+        request, state = entry
+        self.scheduler.finish_request(request, RequestStatus.FINISHED_ABORTED)
+        return self._finalize(request, state, state.finish(request))
 
-        if self.use_cache:
-            session = session or self.new_session(len(prompt_ids) + max_new)
-            step = self._cached_steps(prompt_ids, max_new, session, metrics)
-        else:
-            step = self._uncached_steps(prompt_ids)
-        try:
-            logits = next(step)
-            for i in range(max_new):
-                token = sampler(logits, history)
-                now = time.perf_counter()
-                if i == 0:
-                    metrics.ttft_s = metrics.prefill_s = now - start
-                    first = now
-                metrics.decode_s = now - first
-                metrics.generated_tokens = i + 1
-                if history is not None:
-                    history = torch.cat([history, history.new_tensor([token])])  # only with a penalty
-                yield token
-                if (token in self.eos_token_ids and not params.ignore_eos) or i + 1 == max_new:
-                    break
-                logits = step.send(token)
-        finally:  # also when the caller stops early (stop string, closed stream)
-            if self.use_cache:
-                metrics.kv_cache_bytes = session.cache.used_bytes()
-                metrics.kv_cache_allocated_bytes = session.cache.nbytes()
-            metrics.peak_memory_bytes = peak_memory_bytes(self.device)
+    @property
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests
 
-    def _cached_steps(self, prompt_ids, max_new, session: Session, metrics: RequestMetrics):
-        """Prefill only what the session's cache lacks, then one forward per sent token."""
-        reuse = min(common_prefix_len(session.cached_ids, prompt_ids), len(prompt_ids) - 1)
-        session.cache.truncate(reuse)
-        session.cache.reserve(len(prompt_ids) + max_new)
-        metrics.cached_prompt_tokens = reuse
-        session.cached_ids = list(prompt_ids)
-        token = yield self.forward(prompt_ids[reuse:], session.cache)
-        while True:
-            session.cached_ids.append(token)
-            token = yield self.forward([token], session.cache)
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
 
-    def _uncached_steps(self, prompt_ids):
-        """Recompute the whole sequence at every step: what the KV cache saves."""
-        ids = list(prompt_ids)
-        while True:
-            token = yield self.forward(ids, NoCache(self.config.num_layers, device=self.device))
-            ids.append(token)
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    # ---- one step ------------------------------------------------------------------------------------
+
+    def step(self) -> list[StepOutput]:
+        """Advance every scheduled request by one chunk; return what each request gained."""
+        t0 = time.perf_counter()
+        plan = self.scheduler.schedule()  # 1. which requests, how many tokens each
+        t1 = time.perf_counter()
+        if not plan.chunks:
+            return []
+        inputs = self.runner.prepare_inputs(plan)  # 2. token ids, positions, slot mapping, block tables
+        t2 = time.perf_counter()
+        logits = self.runner.forward(inputs)  # 3. one batched forward (per pass)
+        t3 = time.perf_counter()
+        tokens = self.runner.sample(inputs.sampling, logits)  # 4. a token per request that reached its end
+        t4 = time.perf_counter()
+        outputs = self._update(plan, tokens, step_s=t4 - t0)  # 5. append, stop, detokenize
+        t5 = time.perf_counter()
+        phases = dict(zip(STEP_PHASES, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4)))
+        self.stats.record_step(phases, plan.num_tokens, len(tokens))
+        return outputs
+
+    def _update(self, plan: SchedulerOutput, tokens: dict[str, int], step_s: float) -> list[StepOutput]:
+        self._account(plan, step_s)
+        now = time.perf_counter()
+        outputs = []
+        for request in self.scheduler.update(plan, tokens):
+            timings = request.timings
+            timings.first_token_s = timings.first_token_s or now
+            timings.last_token_s = now
+            state = self._states[request.request_id][1]
+            out = state.update(request)
+            if state.stop_hit:
+                self.scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED)
+            self._fill_metrics(request, state.output)
+            outputs.append(self._finalize(request, state, out) if request.is_finished else out)
+        return outputs
+
+    def _account(self, plan: SchedulerOutput, step_s: float) -> None:
+        """Each request's share of the step: a prompt chunk (prefill) or a fed-back token (decode)."""
+        n = len(plan.chunks)
+        for c in plan.chunks:
+            t = c.request.timings
+            if c.num_new_tokens == 1 and c.start >= c.request.num_prompt_tokens:
+                t.decode_steps += 1
+                t.decode_batch_sum += n
+            else:
+                t.prefill_chunks += 1
+                t.prefill_shared_steps += n > 1
+                t.prefill_compute_s += step_s
+
+    def _fill_metrics(self, request: Request, output: RequestOutput) -> None:
+        t, m = request.timings, output.metrics
+        m.prompt_tokens, m.cached_prompt_tokens = request.num_prompt_tokens, request.num_cached_tokens
+        m.generated_tokens = request.num_output_tokens
+        if t.first_scheduled_s is not None:
+            m.queue_s = t.first_scheduled_s - t.arrival_s
+        if t.first_token_s is not None:
+            m.ttft_s = t.first_token_s - t.arrival_s
+            m.prefill_s = t.first_token_s - (t.first_scheduled_s or t.arrival_s)
+            m.decode_s = t.last_token_s - t.first_token_s
+        m.prefill_compute_s, m.prefill_chunks = t.prefill_compute_s, t.prefill_chunks
+        m.prefill_shared_steps, m.decode_steps = t.prefill_shared_steps, t.decode_steps
+        m.mean_decode_batch = t.decode_batch_sum / t.decode_steps if t.decode_steps else 0.0
+        m.num_preemptions = request.num_preemptions
+        held = request.num_computed_tokens if self.config.use_cache else 0
+        m.kv_blocks = self.kv.blocks_for(held)
+        m.kv_cache_bytes = held * self.pool_plan.bytes_per_token
+        m.kv_cache_allocated_bytes = m.kv_blocks * self.pool_plan.bytes_per_block
+
+    def _finalize(self, request: Request, state: OutputState, out: StepOutput) -> StepOutput:
+        """A request has ended: close its output, forget its sampler and state, count it."""
+        output = state.output
+        output.finish_reason = "stop" if state.stop_hit else request.finish_reason
+        self._fill_metrics(request, output)
+        output.metrics.peak_memory_bytes = peak_memory_bytes(self.cache.device)
+        self.runner.release(request.request_id)
+        del self._states[request.request_id]
+        self.stats.record_finished(output.finish_reason, output.metrics)
+        out.finished = True
+        return out
+
+    # ---- accounting -----------------------------------------------------------------------------------
+
+    def ledger(self) -> KVLedger:
+        """The KV ledger (call between steps): blocks per request, shared ones once, equal to the pool's count."""
+        return self.kv.ledger()

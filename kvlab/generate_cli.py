@@ -35,6 +35,41 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--threads", type=int, help="CPU threads for torch (default: torch's choice)")
     g.add_argument("--max-model-len", type=int, help="context length to allow (default: the model's)")
     g.add_argument("--no-cache", action="store_true", help="recompute the whole sequence every step (slow)")
+    add_engine_args(p)
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """The serving engine's sizing: KV pool, block size, batch limits, prefix caching."""
+    g = p.add_argument_group("engine")
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
+    g.add_argument("--kv-memory", help="KV pool size, e.g. 2GiB or 500MB (default: a share of free memory)")
+    g.add_argument("--kv-memory-fraction", type=float,
+                   help="share of free memory for the KV pool when --kv-memory is not given (default 0.2)")  # fmt: skip
+    g.add_argument("--max-num-seqs", type=int, default=32, help="requests running at once (default 32)")
+    g.add_argument("--max-batched-tokens", type=int, default=512,
+                   help="tokens through the model per step; longer prompts are prefilled in chunks (default 512)")  # fmt: skip
+    g.add_argument("--no-prefix-caching", action="store_true", help="do not reuse K/V of earlier prompts")
+
+
+def engine_options(args) -> dict:
+    """EngineConfig fields from the command line, checked."""
+    from kvlab.memory.units import parse_size
+
+    kv_bytes = None
+    if args.kv_memory is not None:
+        kv_bytes = int(args.kv_memory) if args.kv_memory.isdigit() else parse_size(args.kv_memory)
+    for flag, value in (("--block-size", args.block_size), ("--max-num-seqs", args.max_num_seqs),
+                        ("--max-batched-tokens", args.max_batched_tokens)):  # fmt: skip
+        if value < 1:
+            raise KvlabError(f"{flag} must be at least 1, got {value}")
+    return dict(
+        block_size=args.block_size,
+        kv_memory_bytes=kv_bytes,
+        kv_memory_fraction=args.kv_memory_fraction,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_batched_tokens,
+        enable_prefix_caching=not args.no_prefix_caching,
+    )
 
 
 def _add_sampling_args(p: argparse.ArgumentParser, default_temperature: float) -> None:
@@ -66,21 +101,28 @@ def sampling_params(args):
     )
 
 
-def _open_llm(args):
-    from kvlab.llm import LLM
-
+def check_model_args(args) -> None:
     if args.threads is not None and args.threads < 1:
         raise KvlabError(f"--threads must be at least 1, got {args.threads}")
     if args.max_model_len is not None and args.max_model_len < 2:
         raise KvlabError(f"--max-model-len must be at least 2, got {args.max_model_len}")
     _check_device(args.device)
+
+
+def open_llm(args, **overrides):
+    """An LLM (the serving engine inside) from the model and engine flags."""
+    from kvlab.llm import LLM
+
+    check_model_args(args)
+    options = {**engine_options(args), **overrides}
     return LLM(
         args.model,
         dtype=args.dtype,
         device=args.device,
         max_model_len=args.max_model_len,
-        use_cache=not args.no_cache,
+        use_cache=not getattr(args, "no_cache", False),
         threads=args.threads,
+        **options,
     )
 
 
@@ -98,7 +140,7 @@ def _check_device(device: str) -> None:
 def cmd_run(args) -> int:
     params = sampling_params(args)  # validate before the slow model load
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
-    llm = _open_llm(args)
+    llm = open_llm(args)
     if args.chat:
         messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
             {"role": "user", "content": prompt}
@@ -121,7 +163,7 @@ def cmd_run(args) -> int:
 
 def cmd_chat(args) -> int:
     params = sampling_params(args)
-    llm = _open_llm(args)
+    llm = open_llm(args)
     if llm.tokenizer is None or llm.tokenizer.chat_template is None:
         raise KvlabError(f"{args.model} has no chat template: use `kvlab run` with a raw prompt")
     session = llm.new_session() if not args.no_cache else None

@@ -1,20 +1,26 @@
-"""LLM: the offline Python API, shaped like vLLM's.
+"""LLM: the offline Python API, shaped like vLLM's, over the serving engine.
 
     from kvlab import LLM, SamplingParams
     llm = LLM("smollm2-135m")
-    out = llm.generate("The capital of France is", SamplingParams(max_tokens=16, temperature=0))
-    print(out.text, out.ttft_s, out.decode_tok_s)
+    outs = llm.generate(["The capital of France is", "1, 2, 3,"], SamplingParams(max_tokens=16, temperature=0))
+    print(outs[0].text, outs[0].ttft_s, outs[0].decode_tok_s, outs[0].metrics.timing_split())
+
+A list of prompts runs as one continuous batch (`kvlab.engine.LLMEngine`); outputs come back in
+input order, each with its own timings. `stream()` yields text as it is decoded; chat turns reuse
+the previous turns' K/V through the prefix cache.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Union
 
 import torch
 
-from kvlab.engine import Engine, Session
+from kvlab.engine import EngineConfig, LLMEngine
 from kvlab.errors import KvlabError
 from kvlab.model.loader import load_model
 from kvlab.output.result import RequestOutput
@@ -22,6 +28,17 @@ from kvlab.sampling import SamplingParams
 
 # a prompt is text, or {"prompt_token_ids": [...]} (vLLM's TokensPrompt) for models without a tokenizer
 Prompt = Union[str, dict]
+
+
+@dataclass
+class ChatSession:
+    """A conversation. Its earlier turns' K/V stay in the prefix cache (by their tokens), so a new turn
+    prefills only what follows the longest cached start; the session itself pins nothing."""
+
+    turns: int = 0
+
+
+Session = ChatSession  # the name the single-sequence engine used
 
 
 class LLM:
@@ -33,15 +50,23 @@ class LLM:
         max_model_len: int | None = None,
         use_cache: bool = True,
         threads: int | None = None,
+        **engine_options: Any,
     ):
+        """`engine_options` are EngineConfig fields: block_size, kv_memory_bytes, kv_memory_fraction,
+        max_num_seqs, max_num_batched_tokens, enable_prefix_caching, pack_prompts."""
         if threads:
             torch.set_num_threads(threads)
         self.loaded = load_model(model, dtype=dtype, device=device, max_positions=max_model_len)
         self.config = self.loaded.config
         self.tokenizer = _load_tokenizer(self.loaded.path)
-        self.engine = Engine(self.loaded, max_model_len=max_model_len, use_cache=use_cache)
+        try:
+            engine_config = EngineConfig(max_model_len=max_model_len, use_cache=use_cache, **engine_options)
+        except TypeError as e:
+            raise KvlabError(f"unknown engine option: {e}") from None
+        self.engine = LLMEngine(self.loaded, self.tokenizer, engine_config)
         eos = set(self.config.eos_token_ids) | set(self.tokenizer.eos_token_ids if self.tokenizer else ())
         self.engine.eos_token_ids = tuple(sorted(eos))
+        self._streams: dict[str, TextStream] = {}
 
     # ---- prompts ---------------------------------------------------------------------------
 
@@ -67,36 +92,70 @@ class LLM:
     def generate(
         self, prompts: Prompt | list[Prompt], params: SamplingParams | None = None
     ) -> RequestOutput | list[RequestOutput]:
-        """One prompt gives one output; a list gives a list, in the same order."""
+        """One prompt gives one output; a list runs as one batch and gives a list, in the same order."""
         params = params or SamplingParams()
-        if isinstance(prompts, list):
-            return [self.stream(p, params).finish() for p in prompts]
-        return self.stream(prompts, params).finish()
+        single = not isinstance(prompts, list)
+        streams = [self.stream(p, params) for p in ([prompts] if single else prompts)]  # every prompt checked first
+        for s in streams:
+            s.start()
+        for s in streams:
+            s.finish()
+        return streams[0].output if single else [s.output for s in streams]
 
-    def stream(self, prompt: Prompt, params: SamplingParams | None = None, session: Session | None = None):
+    def stream(self, prompt: Prompt, params: SamplingParams | None = None, session: ChatSession | None = None):
         """A TextStream: iterate it for text pieces; `.output` holds the result once it ends."""
-        params = params or SamplingParams()
         text = prompt if isinstance(prompt, str) else None
-        return TextStream(self, text, self.encode(prompt), params, session)
+        return TextStream(self, text, self.encode(prompt), params or SamplingParams(), session)
 
     def chat(self, messages: list[dict[str, Any]], params: SamplingParams | None = None) -> RequestOutput:
         return self.chat_stream(messages, params).finish()
 
-    def chat_stream(self, messages, params: SamplingParams | None = None, session: Session | None = None):
-        """Like `stream`, with the model's chat template applied; a session reuses the cached turns."""
+    def chat_stream(self, messages, params: SamplingParams | None = None, session: ChatSession | None = None):
+        """Like `stream`, with the model's chat template applied; earlier turns come from the prefix cache."""
         return TextStream(self, None, self.encode_chat(messages), params or SamplingParams(), session)
 
-    def new_session(self) -> Session:
-        return self.engine.new_session()
+    def new_session(self) -> ChatSession:
+        return ChatSession()
+
+    # ---- driving the engine ------------------------------------------------------------------
+
+    def _step(self) -> None:
+        """One engine step; hand each stream its new text."""
+        if not self.engine.has_unfinished_requests:
+            raise RuntimeError("a stream is waiting but the engine has no request left")
+        for out in self.engine.step():
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue
+            if out.new_text:
+                stream.pieces.append(out.new_text)
+            if out.finished:
+                stream.done = True
+                del self._streams[out.request_id]
 
 
 class TextStream:
-    """Runs one request, yielding text as it becomes final (whole UTF-8 characters, stop strings held back)."""
+    """One request, yielding text as it becomes final (whole UTF-8 characters, stop strings held back).
 
-    def __init__(self, llm: LLM, prompt: str | None, prompt_ids: list[int], params: SamplingParams, session):
+    Iterating drives the engine, which advances every request it holds (other streams, a batch).
+    Closing the iterator early aborts the request and frees its blocks.
+    """
+
+    def __init__(self, llm: LLM, prompt: str | None, prompt_ids: list[int], params: SamplingParams, session=None):
         self.llm, self.params, self.session = llm, params, session
         self.output = RequestOutput(prompt=prompt, prompt_token_ids=prompt_ids)
         llm.engine.check_prompt(prompt_ids)  # fail before anything streams
+        self.request_id: str | None = None
+        self.pieces: deque[str] = deque()
+        self.done = False
+
+    def start(self) -> None:
+        """Queue the request in the engine (iterating does it too)."""
+        if self.request_id is None:
+            self.request_id = self.llm.engine.add_request(self.output.prompt_token_ids, self.params, output=self.output)
+            self.llm._streams[self.request_id] = self
+            if self.session is not None:
+                self.session.turns += 1
 
     def finish(self) -> RequestOutput:
         for _ in self:
@@ -104,40 +163,19 @@ class TextStream:
         return self.output
 
     def __iter__(self) -> Iterator[str]:
-        from kvlab.output.detokenizer import IncrementalDetokenizer
-        from kvlab.output.stop import StopStringMatcher
-
-        out, params, engine = self.output, self.params, self.llm.engine
-        tokenizer = self.llm.tokenizer
-        detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=True) if tokenizer else None
-        stop = StopStringMatcher(list(params.stop))
-        tokens = engine.generate(out.prompt_token_ids, params, out.metrics, self.session)
-        out.finish_reason = "length"
+        self.start()
         try:
-            for token in tokens:
-                out.token_ids.append(token)
-                if token in engine.eos_token_ids and not params.ignore_eos:
-                    out.finish_reason = "stop"
-                    break
-                if detok is None:
-                    continue
-                piece, hit = stop.push(detok.push(token))
-                if piece:
-                    out.text += piece
-                    yield piece
-                if hit:
-                    out.finish_reason = "stop"
+            while True:
+                while self.pieces:
+                    yield self.pieces.popleft()
+                if self.done:
                     return
+                self.llm._step()
         finally:
-            tokens.close()
-        if detok is not None:
-            piece, hit = stop.push(detok.flush())
-            piece += "" if hit else stop.flush()
-            if hit:
-                out.finish_reason = "stop"
-            if piece:
-                out.text += piece
-                yield piece
+            if not self.done:  # closed early (a stop string the caller handles, a closed pipe)
+                self.llm.engine.abort_request(self.request_id)
+                self.llm._streams.pop(self.request_id, None)
+                self.done = True
 
 
 def _load_tokenizer(path: Path):

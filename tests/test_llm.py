@@ -84,17 +84,20 @@ def test_metrics_describe_the_request(tiny_llm):
         assert key in d
 
 
-def test_chat_session_prefills_only_new_tokens(tiny_llm):
-    session = tiny_llm.new_session()
+def test_chat_session_prefills_only_new_tokens(tiny_chat_model):
+    # a fresh engine (an empty prefix cache): the shared fixture's cache holds other tests' prompts
+    llm = LLM(tiny_chat_model)
+    session = llm.new_session()
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     messages = [{"role": "user", "content": "hi there"}]
-    first = tiny_llm.chat_stream(messages, params, session=session).finish()
+    first = llm.chat_stream(messages, params, session=session).finish()
     assert first.metrics.cached_prompt_tokens == 0
     messages += [{"role": "assistant", "content": first.text}, {"role": "user", "content": "and now?"}]
-    second = tiny_llm.chat_stream(messages, params, session=session).finish()
+    second = llm.chat_stream(messages, params, session=session).finish()
     assert second.metrics.cached_prompt_tokens >= len(first.prompt_token_ids)
     assert second.metrics.prefill_tokens == second.metrics.prompt_tokens - second.metrics.cached_prompt_tokens
-    fresh = tiny_llm.chat(messages, params)  # no session: everything prefilled
+    # turns reuse K/V through the prefix cache: without it, everything is prefilled, to the same tokens
+    fresh = LLM(tiny_chat_model, enable_prefix_caching=False).chat(messages, params)
     assert fresh.token_ids == second.token_ids
     assert fresh.metrics.cached_prompt_tokens == 0
 

@@ -1,12 +1,18 @@
 """The KV cache interface and its contiguous implementation.
 
-The model never knows which cache it talks to. Each attention layer hands the cache the keys and
-values of the new tokens and gets back every key and value the new queries may look at:
+The model never knows which cache it talks to. Each attention layer hands the cache its queries
+and the keys and values of the new tokens; the cache stores the new K/V and runs the attention
+function over every key and value each query may look at:
 
-    k_all, v_all = cache.update(layer, k_new, v_new, meta)
+    out = cache.attend(layer, q, k_new, v_new, meta, attention)      # [B, H, T, D]
+
+For a contiguous cache that is `attention(q, *cache.update(layer, k_new, v_new, meta), meta)`; the
+paged cache (`kv/paged.py`) splits a step's packed tokens into groups (all decodes as one batch,
+each prompt chunk alone) and reads each group's keys through its block table.
 
 A forward pass is described by `AttentionMetadata`, built once by whoever drives the model
-(`cache.plan(num_new_tokens)`), shared by all layers, then `cache.commit(meta)` once the pass is done.
+(`cache.plan(num_new_tokens)` for the caches here, the ModelRunner for the paged one), shared by all
+layers, then `cache.commit(meta)` once the pass is done.
 """
 
 from __future__ import annotations
@@ -23,8 +29,9 @@ class AttentionMetadata:
 
     positions:  [B, T] absolute position of each new token (RoPE angle, causal order)
     start:      tokens already cached for every sequence before this pass
-    attn_mask:  [1, 1, T, start+T] bool, True where a query may look at a key; None when plain
-                causal attention over the new tokens is enough (start == 0) or T == 1
+    attn_mask:  [1 or B, 1, T, L] bool, True where a query may look at a key; None when plain
+                causal attention over the new tokens is enough (start == 0), or when T == 1 and every
+                sequence sees all L keys
     """
 
     positions: torch.Tensor
@@ -69,6 +76,15 @@ class KVCache(ABC):
         self.write(layer, k, v, meta)
         return self.read(layer, meta)
 
+    def attend(self, layer: int, q, k, v, meta: AttentionMetadata, attention) -> torch.Tensor:
+        """Store k, v [B, Hkv, T, D]; return attention(q, keys, values, meta) [B, H, T, D] over what q may see."""
+        k_all, v_all = self.update(layer, k, v, meta)
+        return attention(q, k_all, v_all, meta)
+
+
+class SingleBatchKVCache(KVCache):
+    """A cache whose B sequences advance together: `plan` a pass, run the model, `commit` it."""
+
     @abstractmethod
     def plan(self, num_new_tokens: int) -> AttentionMetadata:
         """Metadata for a pass that appends `num_new_tokens` to every sequence."""
@@ -78,7 +94,7 @@ class KVCache(ABC):
         """Record that the pass described by `meta` has been written."""
 
 
-class ContiguousKVCache(KVCache):
+class ContiguousKVCache(SingleBatchKVCache):
     """One preallocated K and V tensor per layer: [B, Hkv, max_len, D]. No copies per step.
 
     `length` tokens of every sequence are valid; `truncate(n)` rewinds (the slots are reused).
@@ -165,7 +181,7 @@ class ContiguousKVCache(KVCache):
         return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
 
 
-class NoCache(KVCache):
+class NoCache(SingleBatchKVCache):
     """Keeps nothing: every pass must carry the whole sequence (the lab's recomputation mode)."""
 
     def __init__(self, num_layers: int, batch_size: int = 1, device: torch.device | str = "cpu"):

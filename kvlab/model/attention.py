@@ -1,7 +1,9 @@
 """Attention implementations: how new queries look at the cached keys and values.
 
 Both take q [B, H, T, D] and k, v [B, Hkv, L, D] (L = cached + new tokens) and return [B, H, T, D].
-Query head h reads key/value head h // (H / Hkv); neither copies K or V per query head.
+Query head h reads key/value head h // (H / Hkv); neither copies K or V per query head. A mask in
+the metadata (`attn_mask`, True = may look) covers causal order after a cached prefix and, for a
+batch of sequences of different lengths, the padding keys past each one's end.
 
 - `sdpa`: PyTorch's fused scaled_dot_product_attention, which works block by block and never holds
   the whole [T, L] score matrix (the FlashAttention idea). The default.
@@ -23,9 +25,10 @@ def sdpa_attention(q, k, v, meta: AttentionMetadata) -> torch.Tensor:
     B, H, T, D = q.shape
     Hkv = k.shape[1]
     if T == 1 and H != Hkv:
-        # decode: one query per head needs no mask, so the H/Hkv query heads that share a K/V head
-        # can stand as rows of one head: plain attention over Hkv heads, no GQA expansion at all
-        out = F.scaled_dot_product_attention(q.view(B, Hkv, H // Hkv, D), k, v)
+        # decode: one query per head needs no causal mask, so the H/Hkv query heads that share a K/V
+        # head can stand as rows of one head: plain attention over Hkv heads, no GQA expansion at all.
+        # A batch of different lengths brings a key mask [B, 1, 1, L]; it broadcasts over those rows.
+        out = F.scaled_dot_product_attention(q.reshape(B, Hkv, H // Hkv, D), k, v, attn_mask=meta.attn_mask)
         return out.view(B, H, 1, D)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=meta.attn_mask, is_causal=meta.is_causal, enable_gqa=True)
 
@@ -36,8 +39,10 @@ def materialized_attention(q, k, v, meta: AttentionMetadata) -> torch.Tensor:
     group = H // Hkv
     qg = q.reshape(B, Hkv, group * T, D)  # the `group` query heads sharing a K/V head, stacked as rows
     scores = (qg @ k.transpose(-1, -2)).view(B, Hkv, group, T, L) / math.sqrt(D)  # [B, Hkv, g, T, L]
-    # query t (position start + t) may see keys 0 .. start + t
-    allowed = torch.arange(L, device=q.device)[None, :] <= (L - T + torch.arange(T, device=q.device))[:, None]
+    if meta.attn_mask is not None:  # [1 or B, 1, T, L] → [1 or B, 1, 1, T, L], broadcast over heads
+        allowed = meta.attn_mask.unsqueeze(2)
+    else:  # query t (position start + t) may see keys 0 .. start + t
+        allowed = torch.arange(L, device=q.device)[None, :] <= (L - T + torch.arange(T, device=q.device))[:, None]
     scores = scores.masked_fill(~allowed, float("-inf"))
     weights = torch.softmax(scores.float(), dim=-1).to(q.dtype)
     out = weights.view(B, Hkv, group * T, L) @ v  # [B, Hkv, g·T, D]

@@ -44,8 +44,8 @@ class Attention(nn.Module):
         k = qk[:, :, H:].transpose(1, 2)  # [B, Hkv, T, D]
         v = v.transpose(1, 2)  # [B, Hkv, T, D]
 
-        k_all, v_all = cache.update(self.layer_index, k, v, meta)  # [B, Hkv, start+T, D]
-        out = self.attend(q, k_all, v_all, meta)  # [B, H, T, D]
+        # the cache stores k, v and runs self.attend over every key each query may see
+        out = cache.attend(self.layer_index, q, k, v, meta, self.attend)  # [B, H, T, D]
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -68,8 +68,10 @@ class Transformer(nn.Module):
     def __init__(self, config: ModelConfig, max_positions: int | None = None):
         super().__init__()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.embed_tokens.weight.requires_grad_(False)
+        # given an empty weight, nn.Embedding skips its random init (seconds, for nothing: weights load next)
+        self.embed_tokens = nn.Embedding(
+            config.vocab_size, config.hidden_size, _weight=torch.empty(config.vocab_size, config.hidden_size), _freeze=True
+        )
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         # tied models reuse the embedding matrix as the LM head (set when weights load)

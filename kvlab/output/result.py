@@ -14,14 +14,23 @@ class RequestMetrics:
     """
 
     prompt_tokens: int = 0
-    cached_prompt_tokens: int = 0  # prompt tokens whose K/V were already in the cache (chat turns)
+    cached_prompt_tokens: int = 0  # prompt tokens whose K/V were already in the cache (prefix cache, chat turns)
     generated_tokens: int = 0
-    ttft_s: float = 0.0
-    prefill_s: float = 0.0
-    decode_s: float = 0.0
+    ttft_s: float = 0.0  # arrival → first token: queue_s + prefill_s
+    prefill_s: float = 0.0  # first scheduled → first token (wall time, chunks and the steps between them)
+    decode_s: float = 0.0  # first token → last token
     kv_cache_bytes: int = 0  # bytes of K/V holding this sequence's tokens at the end
-    kv_cache_allocated_bytes: int = 0  # bytes the cache reserved
+    kv_cache_allocated_bytes: int = 0  # bytes the cache reserved (paged: whole blocks)
     peak_memory_bytes: int = 0  # process peak RSS on CPU, peak allocated on CUDA
+    # the serving engine's timing split (kvlab.engine.LLMEngine); zero from the single-sequence engine
+    queue_s: float = 0.0  # arrival → first scheduled
+    prefill_compute_s: float = 0.0  # time of the engine steps that carried its prompt (shared with others)
+    prefill_chunks: int = 0  # steps its prompt was split over (and recomputed in, after a preemption)
+    prefill_shared_steps: int = 0  # of those, steps that carried other requests' tokens too
+    decode_steps: int = 0  # steps that fed back one of its tokens
+    mean_decode_batch: float = 0.0  # requests per step, averaged over its decode steps
+    num_preemptions: int = 0  # times its blocks were taken back and its tokens recomputed
+    kv_blocks: int = 0  # KV blocks it held at the end
 
     @property
     def prefill_tokens(self) -> int:
@@ -44,6 +53,14 @@ class RequestMetrics:
         steps = self.generated_tokens - 1
         return self.decode_s / steps if steps > 0 else 0.0
 
+    def timing_split(self) -> dict:
+        """Where this request's time went: the `kvlab` field of the server's responses."""
+        keys = ("queue_s", "prefill_s", "prefill_compute_s", "prefill_chunks", "prefill_shared_steps", "ttft_s",
+                "decode_s", "decode_steps", "mean_decode_batch", "tpot_s", "prompt_tokens", "cached_prompt_tokens",
+                "generated_tokens", "num_preemptions", "kv_blocks", "kv_cache_bytes")  # fmt: skip
+        d = self.to_dict()
+        return {k: round(d[k], 6) if isinstance(d[k], float) else d[k] for k in keys}
+
     def to_dict(self) -> dict:
         d = asdict(self)
         d.update(
@@ -63,8 +80,9 @@ class RequestOutput:
     prompt_token_ids: list[int]
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
-    finish_reason: str | None = None  # "stop" (EOS or stop string), "length" (max_tokens or context)
+    finish_reason: str | None = None  # "stop" (EOS or stop string), "length" (max_tokens or context), "abort"
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
+    request_id: str | None = None
 
     # the headline figures, flat, as users reach for them
     @property

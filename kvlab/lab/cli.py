@@ -1,0 +1,206 @@
+"""`kvlab lab`: run experiments on a real model, then write results.json, report.md and the plots.
+
+    kvlab lab phases --model smollm2-135m
+    kvlab lab all --model qwen2.5-coder-0.5b --out lab-qwen --repeat 3
+    kvlab lab all --model smollm2-135m --out lab-smol --compare transformers
+    kvlab lab report lab-qwen/results.json
+
+results.json is written after every experiment, so an interrupted run keeps what it measured; running
+single experiments into the same --out adds them to its results (same model, dtype and sizes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from kvlab.errors import KvlabError
+from kvlab.lab import EXPERIMENTS, experiment_module
+
+COMPARABLE = ("phases", "cache")  # the experiments --compare transformers repeats
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "lab",
+        help="measure prefill, decode, the KV cache and the memory wall on this machine",
+        description="Reproduce the claims about LLM inference cost on this machine with a real model: "
+                    f"EXPERIMENT is one of {', '.join(EXPERIMENTS)}, or `all`. `kvlab lab report RESULTS` "
+                    "re-renders report.md and the plots from a results.json without measuring.",
+    )  # fmt: skip
+    p.add_argument("experiment", metavar="EXPERIMENT", help=f"{', '.join(EXPERIMENTS)}, all, or report")
+    p.add_argument("results", nargs="?", metavar="RESULTS", help="for `report`: a results.json or its folder")
+    p.add_argument("-m", "--model", help="registry name (kvlab list), .gguf file or Hugging Face directory")
+    p.add_argument("-o", "--out", metavar="DIR", help="folder for results.json, report.md and plots (default lab-MODEL)")
+    p.add_argument("--repeat", default="3", metavar="K", help="timed runs per point: median, min and max (default 3)")
+    p.add_argument("--quick", action="store_true", help="tiny sizes, for tests: seconds, not minutes")
+    p.add_argument("--dtype", default="float32", help=f"weights' dtype: {', '.join(DTYPE_NAMES)} (default float32)")
+    p.add_argument("--threads", metavar="N", help="CPU threads for torch (default: torch's choice)")
+    p.add_argument("--compare", metavar="LIB", help="`transformers`: repeat phases and cache with transformers")
+    p.add_argument("--max-prompt", metavar="T",
+                   help="longest prompt to prefill; longer sizes are skipped and listed in the report")
+    p.add_argument("--max-point-s", default="120", metavar="S",
+                   help="stop repeating a point once its timed runs took S seconds (default 120)")
+    p.add_argument("--seed", default="0", metavar="N", help="seed of the random prompts (default 0)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
+    p.set_defaults(func=run)  # fmt: skip
+
+
+@dataclass
+class Settings:
+    repeat: int
+    quick: bool
+    dtype: str
+    threads: int | None
+    compare: str | None
+    max_prompt: int | None
+    max_point_s: float
+    seed: int
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.experiment == "report":
+        return report_command(args)
+    names = experiment_names(args.experiment)
+    settings = parse_settings(args)
+    if not args.model:
+        raise KvlabError("give the model to measure: --model NAME (kvlab list shows the pulled ones)")
+    if args.results:
+        raise KvlabError(f"unexpected argument '{args.results}': only `kvlab lab report` takes a results file")
+    return measure(args, names, settings)
+
+
+def experiment_names(name: str) -> list[str]:
+    if name == "all":
+        return list(EXPERIMENTS)
+    if name not in EXPERIMENTS:
+        raise KvlabError(f"unknown experiment '{name}': use one of {', '.join(EXPERIMENTS)}, all, or report")
+    return [name]
+
+
+def parse_settings(args) -> Settings:
+    if args.dtype not in DTYPE_NAMES:
+        raise KvlabError(f"unknown dtype '{args.dtype}': use one of {', '.join(DTYPE_NAMES)}")
+    if args.compare not in (None, "transformers"):
+        raise KvlabError(f"--compare takes `transformers`, not '{args.compare}'")
+    if args.compare and args.experiment not in (*COMPARABLE, "all"):
+        raise KvlabError(f"--compare transformers applies to {', '.join(COMPARABLE)} and all, not {args.experiment}")
+    return Settings(
+        repeat=positive_int(args.repeat, "--repeat"), quick=args.quick, dtype=args.dtype,
+        threads=positive_int(args.threads, "--threads") if args.threads else None, compare=args.compare,
+        max_prompt=positive_int(args.max_prompt, "--max-prompt") if args.max_prompt else None,
+        max_point_s=positive_float(args.max_point_s, "--max-point-s"), seed=positive_int(args.seed, "--seed", 0),
+    )  # fmt: skip
+
+
+def positive_int(text: str, option: str, minimum: int = 1) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise KvlabError(f"{option} takes a whole number, not '{text}'") from None
+    if value < minimum:
+        raise KvlabError(f"{option} must be at least {minimum}, got {value}")
+    return value
+
+
+def positive_float(text: str, option: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise KvlabError(f"{option} takes a number of seconds, not '{text}'") from None
+    if not value > 0:
+        raise KvlabError(f"{option} must be above 0, got {text}")
+    return value
+
+
+def model_label(model: str) -> str:
+    path = Path(model)
+    return path.stem if path.suffix == ".gguf" else path.name or model
+
+
+def command_line(args, settings: Settings, out: Path) -> str:
+    """The command that repeats this run, every setting spelled out."""
+    words = ["kvlab", "lab", args.experiment, "--model", args.model, "--out", str(out), "--repeat", str(settings.repeat)]
+    words += ["--dtype", settings.dtype, "--max-point-s", f"{settings.max_point_s:g}", "--seed", str(settings.seed)]
+    for flag, value in (("--threads", settings.threads), ("--max-prompt", settings.max_prompt),
+                        ("--compare", settings.compare)):  # fmt: skip
+        if value:
+            words += [flag, str(value)]
+    return shlex.join(words + (["--quick"] if settings.quick else []))
+
+
+def measure(args, names: list[str], settings: Settings) -> int:
+    import torch
+
+    threads_before = torch.get_num_threads()
+    if settings.threads:
+        torch.set_num_threads(settings.threads)
+    try:
+        return run_experiments(args, names, settings)
+    finally:
+        torch.set_num_threads(threads_before)  # main() may be called in-process (tests)
+
+
+def run_experiments(args, names: list[str], settings: Settings) -> int:
+    from kvlab.lab.common import Lab, load_average, machine_facts, model_facts, now
+    from kvlab.lab.report import load_results, render, write_results
+    from kvlab.model.loader import load_model
+
+    machine = machine_facts()  # before loading: free RAM and load average as the run found them
+    loaded = load_model(args.model, dtype=settings.dtype)
+    out = Path(args.out or f"lab-{model_label(args.model)}")
+    results = {
+        "kvlab_lab_version": 1, "command": command_line(args, settings, out), "started": now(),
+        "machine": asdict(machine), "model": asdict(model_facts(model_label(args.model), loaded, settings.dtype)),
+        "load_s": loaded.load_s, "settings": asdict(settings), "experiments": {},
+    }  # fmt: skip
+    if (out / "results.json").exists():  # keep earlier experiments of the same model and sizes
+        earlier = load_results(out)
+        same = [earlier["model"]["path"], earlier["model"]["dtype"], earlier["settings"].get("quick")]
+        if same == [results["model"]["path"], settings.dtype, settings.quick]:
+            results["experiments"] = earlier["experiments"]
+            for data in results["experiments"].values():
+                data.setdefault("command", earlier["command"])  # the report credits the run that measured it
+    lab = Lab(loaded, model_label(args.model), settings.dtype, settings.repeat, settings.quick,
+              settings.max_prompt, settings.max_point_s, settings.seed, show_progress=not args.no_progress)  # fmt: skip
+    try:
+        for name in names:
+            module = experiment_module(name)
+            started, start, load = now(), time.perf_counter(), load_average()
+            data = asdict(module.run(lab))
+            data.update(started=started, finished=now(), wall_s=time.perf_counter() - start,
+                        load_average=load, command=results["command"])  # fmt: skip
+            results["experiments"][name] = data
+            write_results(results, out)
+            print(f"## {module.TITLE}\n\n{module.table(data)}\n\n{module.verdict(data)}\n", flush=True)
+        if settings.compare:
+            from kvlab.lab.compare import compare
+
+            compare(lab, {n: results["experiments"][n] for n in names if n in COMPARABLE})  # measured now
+            for name in COMPARABLE:
+                if name in names:
+                    print(f"## {name} (with transformers)\n\n{experiment_module(name).table(results['experiments'][name])}\n")
+    finally:
+        if results["experiments"]:
+            results["finished"] = now()
+            write_results(results, out)
+            report = render(results, out)
+            print(f"wrote {out / 'results.json'} and {report} (with its plots)", file=sys.stderr)
+    return 0
+
+
+def report_command(args) -> int:
+    from kvlab.lab.report import load_results, render
+
+    if not args.results:
+        raise KvlabError("give the results to re-render: kvlab lab report DIR/results.json")
+    path = Path(args.results)
+    results = load_results(path)
+    report = render(results, path if path.is_dir() else path.parent)
+    print(f"wrote {report} (with its plots)")
+    return 0

@@ -1,0 +1,293 @@
+"""What every experiment shares: timing with warm-up and repeats, the machine's facts, the Lab handle.
+
+Timings are wall-clock seconds from `time.perf_counter`; a point is run `repeat` times after a
+warm-up and summarised as median, min and max. Prompts are random token ids from a seeded
+generator: a forward pass costs the same whichever tokens it reads.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+from kvlab.kv.cache import ContiguousKVCache, KVCache
+from kvlab.model.loader import LoadedModel, load_model
+
+LONG_RUN_S = 5.0  # a warm-up run this long counts as a sample (see measure)
+
+
+@dataclass
+class Timing:
+    """Seconds of `runs` timed runs of one point (warm-up excluded)."""
+
+    median_s: float
+    min_s: float
+    max_s: float
+    runs: int
+    samples_s: list[float]
+
+    @classmethod
+    def of(cls, samples: list[float]) -> "Timing":
+        return cls(statistics.median(samples), min(samples), max(samples), len(samples), samples)
+
+
+def measure(
+    run: Callable[[], object],
+    repeat: int,
+    setup: Callable[[], object] | None = None,
+    warmup: int = 1,
+    max_total_s: float = math.inf,
+) -> Timing:
+    """Time `run()` `repeat` times, each after an untimed `setup()`.
+
+    The warm-up run is discarded unless it took LONG_RUN_S or more: then one-time costs (allocation,
+    page faults, loading a kernel) are lost in it and it counts as the first sample. Runs stop early once
+    the samples add up to more than `max_total_s` seconds (at least one always counts).
+    """
+    setup = setup or (lambda: None)
+    samples: list[float] = []
+    for _ in range(warmup):
+        setup()
+        start = time.perf_counter()
+        run()
+        if time.perf_counter() - start >= LONG_RUN_S:
+            samples.append(time.perf_counter() - start)
+            break
+    while len(samples) < repeat and (not samples or sum(samples) <= max_total_s):
+        setup()
+        start = time.perf_counter()
+        run()
+        samples.append(time.perf_counter() - start)
+    return Timing.of(samples)
+
+
+def now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+# ---- the machine and the model ------------------------------------------------------------------
+
+
+@dataclass
+class MachineFacts:
+    cpu_model: str
+    cores: int  # logical CPUs the OS reports
+    threads: int  # torch's intra-op threads during the run
+    torch_version: str
+    python_version: str
+    platform: str
+    ram_total_bytes: int
+    ram_available_bytes: int  # at the start of the run
+    load_average: float  # 1-minute load average at the start: other programs competing for the CPUs
+    gemv_kernel: bool  # kvlab's decode GEMV kernel enabled (KVLAB_KERNELS != 0)
+
+
+def meminfo_bytes(key: str) -> int:
+    """A field of /proc/meminfo ("MemTotal", "MemAvailable") in bytes; 0 where there is none."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def load_average() -> float:
+    """The 1-minute load average: how many programs wanted a CPU, on average (0 where unknown)."""
+    return os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine_facts() -> MachineFacts:
+    return MachineFacts(
+        cpu_model=cpu_model(),
+        cores=os.cpu_count() or 1,
+        threads=torch.get_num_threads(),
+        torch_version=torch.__version__,
+        python_version=platform.python_version(),
+        platform=platform.platform(),
+        ram_total_bytes=meminfo_bytes("MemTotal"),
+        ram_available_bytes=meminfo_bytes("MemAvailable"),
+        load_average=load_average(),
+        gemv_kernel=os.environ.get("KVLAB_KERNELS", "1") != "0",
+    )
+
+
+@dataclass
+class ModelFacts:
+    name: str  # as given on the command line
+    path: str
+    architecture: str
+    dtype: str
+    params: int  # distinct parameters (a tied matrix counts once)
+    weight_bytes: int
+    decode_weight_bytes: int  # bytes one decode step streams (kvlab.model.loader)
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    vocab_size: int
+    max_positions: int  # longest sequence the model's position table covers
+
+
+def model_facts(name: str, loaded: LoadedModel, dtype: str) -> ModelFacts:
+    c = loaded.config
+    params = {p.data_ptr(): p.numel() for p in loaded.model.parameters()}
+    return ModelFacts(
+        name=name, path=str(loaded.path), architecture=c.architecture, dtype=dtype,
+        params=sum(params.values()), weight_bytes=loaded.weight_bytes,
+        decode_weight_bytes=loaded.decode_weight_bytes(), num_layers=c.num_layers, num_heads=c.num_heads,
+        num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, hidden_size=c.hidden_size,
+        vocab_size=c.vocab_size, max_positions=max_positions(loaded),
+    )  # fmt: skip
+
+
+def max_positions(loaded: LoadedModel) -> int:
+    return loaded.model.rotary.cos.shape[0]
+
+
+# ---- driving the model ---------------------------------------------------------------------------
+
+
+def forward(model, cache: KVCache, ids: torch.Tensor, logits_index: torch.Tensor | None = None) -> torch.Tensor:
+    """Append ids [B, T] to every sequence of `cache`: logits [B, V] of the last new token."""
+    meta = cache.plan(ids.shape[1])
+    logits = model(ids, cache, meta, logits_index=logits_index)
+    cache.commit(meta)
+    return logits
+
+
+def greedy(model, cache: KVCache, token: torch.Tensor, steps: int) -> torch.Tensor:
+    """Decode `steps` tokens after token [B, 1], always taking the most likely: ids [B, steps]."""
+    out = []
+    for _ in range(steps):
+        token = forward(model, cache, token).argmax(-1, keepdim=True)  # [B, 1]
+        out.append(token)
+    return torch.cat(out, dim=1)
+
+
+@dataclass
+class Lab:
+    """The model under test, the run's settings, and the helpers every experiment uses."""
+
+    loaded: LoadedModel
+    model_name: str
+    dtype: str = "float32"
+    repeat: int = 3
+    quick: bool = False  # tiny sizes, for the tests
+    max_prompt: int | None = None  # longest prompt any experiment prefills (None: the model's limit)
+    max_point_s: float = 120.0  # a point stops repeating once its timed runs took this long
+    seed: int = 0
+    show_progress: bool = True
+    _other_dtypes: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def model(self):
+        return self.loaded.model
+
+    @property
+    def config(self):
+        return self.loaded.config
+
+    def sizes(self, full: Iterable[int], quick: Iterable[int], prefill: bool = True, room: int = 0):
+        """(sizes to run, notes on the dropped ones). A size plus `room` tokens must fit the model's
+        positions; a prompt (`prefill`) must also respect --max-prompt."""
+        kept, notes = [], []
+        limit = max_positions(self.loaded) - room
+        for n in quick if self.quick else full:
+            if n > limit:
+                notes.append(f"{n:,} tokens skipped: beyond the model's {max_positions(self.loaded):,} positions")
+            elif prefill and self.max_prompt and n > self.max_prompt:
+                notes.append(f"{n:,} tokens skipped: longer than --max-prompt {self.max_prompt:,}")
+            else:
+                kept.append(n)
+        return kept, notes
+
+    def capped(self, full: int, quick: int) -> tuple[int, list[str]]:
+        """One prompt length (quick or full), shortened to the model's limit and --max-prompt if need be."""
+        n = quick if self.quick else full
+        limit = min(max_positions(self.loaded), self.max_prompt or n)
+        if n <= limit:
+            return n, []
+        return limit, [f"prompt shortened from {n:,} to {limit:,} tokens (the model's limit or --max-prompt)"]
+
+    def prompt(self, length: int, batch: int = 1, seed: int = 0) -> torch.Tensor:
+        """Random token ids [batch, length], the same for the same arguments."""
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + length * 7919 + seed)
+        return torch.randint(0, self.config.vocab_size, (batch, length), generator=g).to(self.model.device)
+
+    def new_cache(self, max_len: int, batch: int = 1, loaded: LoadedModel | None = None) -> ContiguousKVCache:
+        loaded = loaded or self.loaded
+        return ContiguousKVCache.for_model(
+            loaded.config, max_len, batch_size=batch, dtype=loaded.model.dtype, device=loaded.model.device
+        )
+
+    def measure(self, run, setup=None, repeat: int | None = None) -> Timing:
+        """Time a point with this run's --repeat and --max-point-s."""
+        return measure(run, repeat or self.repeat, setup, max_total_s=self.max_point_s)
+
+    def load(self, dtype: str) -> LoadedModel:
+        """The same model in another dtype (loaded once; `release` frees it)."""
+        if dtype == self.dtype:
+            return self.loaded
+        if dtype not in self._other_dtypes:
+            self._other_dtypes[dtype] = load_model(self.loaded.path, dtype=dtype, device=self.model.device)
+        return self._other_dtypes[dtype]
+
+    def release(self, dtype: str) -> None:
+        self._other_dtypes.pop(dtype, None)
+
+    def progress(self, total: int, desc: str):
+        """A progress bar on stderr (tqdm); experiments call .update() and .set_postfix_str()."""
+        from tqdm import tqdm
+
+        return tqdm(total=total, desc=desc, unit="pt", file=sys.stderr, leave=False,
+                    disable=not self.show_progress, dynamic_ncols=True)  # fmt: skip
+
+
+# ---- workloads shared by several experiments -----------------------------------------------------
+
+
+def time_prefill(lab: Lab, length: int, loaded: LoadedModel | None = None) -> Timing:
+    """One forward over a `length`-token prompt into an empty cache: the time to first token."""
+    loaded = loaded or lab.loaded
+    cache = lab.new_cache(length, loaded=loaded)
+    ids = lab.prompt(length)
+    return lab.measure(lambda: forward(loaded.model, cache, ids), setup=lambda: cache.truncate(0))
+
+
+def time_decode(lab: Lab, context: int, steps: int, loaded: LoadedModel | None = None):
+    """`steps` greedy decode steps after a `context`-token prompt (prefilled once, untimed).
+
+    Returns (Timing of the `steps` steps together, the generated ids of the last run).
+    """
+    loaded = loaded or lab.loaded
+    cache = lab.new_cache(context + steps, loaded=loaded)
+    first = forward(loaded.model, cache, lab.prompt(context)).argmax(-1, keepdim=True)  # [1, 1]
+    out: list[torch.Tensor] = []
+    timing = lab.measure(
+        lambda: out.append(greedy(loaded.model, cache, first, steps)),
+        setup=lambda: cache.truncate(context),
+    )
+    return timing, [int(first)] + out[-1][0].tolist()

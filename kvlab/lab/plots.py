@@ -1,0 +1,178 @@
+"""The report's PNG plots, drawn from the JSON form of each experiment's results.
+
+matplotlib is imported only here, on first use, with the Agg backend (no display needed). Error bars
+span the fastest and slowest run of each point.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from kvlab.errors import KvlabError
+
+
+def pyplot():
+    try:
+        import matplotlib
+    except ImportError:
+        raise KvlabError("the lab's plots need matplotlib: pip install 'kvlab[lab]'") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def draw(name: str, data: dict, model: str, path: Path) -> None:
+    plt = pyplot()
+    fig = PLOTS[name](plt, data)
+    fig.suptitle(f"kvlab lab {name} · {model}", fontsize=9, color="0.4")
+    fig.tight_layout(rect=(0, 0, 1, 0.96))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def log_x(ax, xs: list[int]) -> None:
+    """A log x axis labelled at exactly the measured sizes (1,000 rather than 10³)."""
+    ax.set_xscale("log")
+    ax.set_xticks(xs, [f"{x:,}" for x in xs])
+    ax.minorticks_off()
+
+
+def rate_bars(points: list[dict], tokens_key: str | int, timing_key: str = "timing"):
+    """(tok/s at the median, [below, above] error sizes) from each point's Timing."""
+    mids, errs = [], [[], []]
+    for p in points:
+        n = p[tokens_key] if isinstance(tokens_key, str) else tokens_key
+        t = p[timing_key]
+        mid = n / t["median_s"]
+        mids.append(mid)
+        errs[0].append(mid - n / t["max_s"])
+        errs[1].append(n / t["min_s"] - mid)
+    return mids, errs
+
+
+def time_bars(points: list[dict], timing_key: str = "timing", scale: float = 1e3):
+    mids = [p[timing_key]["median_s"] * scale for p in points]
+    errs = [[m - p[timing_key]["min_s"] * scale for m, p in zip(mids, points)],
+            [p[timing_key]["max_s"] * scale - m for m, p in zip(mids, points)]]  # fmt: skip
+    return mids, errs
+
+
+def phases(plt, data):
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    xs = [p["prompt_tokens"] for p in data["prefill"]]
+    left.errorbar(xs, *rate_bars(data["prefill"], "prompt_tokens"), marker="o", capsize=3, label="kvlab")
+    left.set(xlabel="prompt tokens", ylabel="prefill tok/s", title="Prefill: tokens per second")
+    log_x(left, xs)
+    xs_d = [d["context"] for d in data["decode"]]
+    right.errorbar(xs_d, *rate_bars(data["decode"], "new_tokens"), marker="o", capsize=3, label="kvlab")
+    right.set(xlabel="context (tokens)", ylabel="decode tok/s", title="Decode: tokens per second")
+    log_x(right, xs_d)
+    hf = data.get("transformers")
+    if hf:
+        left.plot(xs, [p["tok_s"] for p in hf["prefill"]], "s--", label="transformers")
+        right.plot(xs_d, [p["tok_s"] for p in hf["decode"]], "s--", label="transformers")
+    for ax in (left, right):
+        ax.set_ylim(bottom=0)
+        ax.legend()
+    return fig
+
+
+def cache(plt, data):
+    fig, ax = plt.subplots(figsize=(6, 4))
+    pts = data["points"]
+    xs = [p["context"] for p in pts]
+    ax.errorbar(xs, *rate_bars(pts, "cached_steps", "cached"), marker="o", capsize=3, label="with KV cache")
+    ax.errorbar(xs, *rate_bars(pts, "uncached_steps", "uncached"), marker="s", capsize=3, label="without (recompute)")
+    ax.set(yscale="log", xlabel="context (tokens)", ylabel="tokens per second",
+           title="Decode with and without the KV cache")
+    log_x(ax, xs)
+    ax.legend()
+    return fig
+
+
+def roofline(plt, data):
+    fig, ax = plt.subplots(figsize=(6.5, 4.5))
+    bw = data["bandwidth"]["gb_s"] * 1e9
+    peak = data["prefill"]["flop_s"]
+    lo = min(data["decode"]["intensity"], data["ridge_intensity"], 1.0) / 4
+    hi = max(data["prefill"]["intensity"], data["ridge_intensity"]) * 4
+    xs = [lo * (hi / lo) ** (i / 200) for i in range(201)]
+    ax.plot(xs, [min(bw * x, peak) for x in xs], color="0.3", label="roofline (measured bandwidth, prefill FLOP/s)")
+    ax.axvline(data["ridge_intensity"], color="0.6", linestyle=":", label="ridge point")
+    for p, marker in ((data["decode"], "o"), (data["prefill"], "s")):
+        ax.plot(p["intensity"], p["flop_s"], marker, markersize=9, label=f"{p['name']} ({p['intensity']:.1f} FLOP/byte)")
+    ax.set(xscale="log", yscale="log", xlabel="arithmetic intensity (FLOP per byte read)", ylabel="FLOP/s",
+           title="Roofline: decode waits for memory, prefill for arithmetic")  # fmt: skip
+    ax.legend(fontsize=8)
+    return fig
+
+
+def dtype(plt, data):
+    fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.8))
+    names = [p["dtype"] for p in data["points"]]
+    for ax, key, title in ((left, "decode_step", "one decode step"), (right, "prefill", "prefill")):
+        mids, errs = time_bars(data["points"], key)
+        ax.bar(names, mids, yerr=errs, capsize=4, color=["C0", "C1", "C2"])
+        ax.set(ylabel="ms", title=title)
+    right.set_title(f"prefill of {data['points'][0]['prefill_tokens']} tokens")
+    return fig
+
+
+def context(plt, data):
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    pts = data["points"]
+    xs = [p["context"] for p in pts]
+    ax.errorbar(xs, *time_bars(pts, "step"), marker="o", capsize=3, label="decode step (ms)")
+    ax.set(xlabel="context (tokens in the KV cache)", ylabel="ms per decode step", title="One decode step against context")
+    log_x(ax, xs)
+    ax.set_ylim(bottom=0)
+    kv = ax.twinx()
+    kv.plot(xs, [p["kv_bytes_read"] / 1e6 for p in pts], "s--", color="C1", label="KV read per step (MB)")
+    kv.set(ylabel="KV cache read per step (MB)")
+    kv.set_ylim(bottom=0)
+    fig.legend(loc="upper left", bbox_to_anchor=(0.12, 0.88), fontsize=8)
+    return fig
+
+
+def attention(plt, data):
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    for backend, marker in (("sdpa", "o"), ("materialized", "s")):
+        pts = [p for p in data["points"] if p[backend]]
+        if not pts:
+            continue
+        xs = [p["prompt_tokens"] for p in pts]
+        mids = [p[backend]["timing"]["median_s"] for p in pts]
+        left.plot(xs, mids, marker=marker, label=backend)
+        right.plot(xs, [p[backend]["peak_rss_delta_bytes"] / 1e6 for p in pts], marker=marker, label=backend)
+    left.set(yscale="log", xlabel="prompt tokens", ylabel="prefill seconds (log scale)", title="Prefill time")
+    right.set(xlabel="prompt tokens", ylabel="peak RSS above baseline (MB)", title="Peak memory")
+    xs = [p["prompt_tokens"] for p in data["points"]]
+    for ax in (left, right):
+        log_x(ax, xs)
+        ax.legend()
+    return fig
+
+
+def batching(plt, data):
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    passes = data["passes"]
+    xs = [p["tokens"] for p in passes]
+    left.plot(xs, [p["ms_per_token"] for p in passes], "o-", label="ms per token")
+    left.set(xlabel="tokens in one forward pass", ylabel="ms per token", title="Cost per token of one pass")
+    log_x(left, xs)
+    left.set_ylim(bottom=0)
+    seqs = data["sequences"]
+    ns = [s["sequences"] for s in seqs]
+    right.plot(ns, [s["together_tok_s"] for s in seqs], "o-", label="decoding together (one batch)")
+    right.plot(ns, [s["one_at_a_time_tok_s"] for s in seqs], "s--", label="one at a time")
+    right.set(xlabel="sequences", ylabel="tokens per second", title="N sequences decoding")
+    log_x(right, ns)
+    right.set_ylim(bottom=0)
+    for ax in (left, right):
+        ax.legend(fontsize=8)
+    return fig
+
+
+PLOTS = {"phases": phases, "cache": cache, "roofline": roofline, "dtype": dtype, "context": context,
+         "attention": attention, "batching": batching}  # fmt: skip

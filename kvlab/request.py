@@ -1,0 +1,104 @@
+"""Request: one prompt's journey through the engine, and the timings it collects on the way.
+
+No torch here: the scheduler and the KV manager only move these objects around.
+
+    WAITING ──admit──► RUNNING ──EOS / max_tokens / stop string──► FINISHED_*
+       ▲                  │
+       └────preempt───────┘   (blocks freed, num_computed_tokens back to 0: recomputed later)
+
+A request knows its tokens (`all_token_ids`: prompt, then generated) and how many of them have
+their K/V in the cache (`num_computed_tokens`). Every step the scheduler gives it some of the
+difference; when the difference closes, a token is sampled and the difference is 1 again. There is
+no "prefill phase" or "decode phase" anywhere else than in the words used to report it.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from kvlab.sampling.params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED_STOPPED = "stop"  # an end-of-sequence token or a stop string
+    FINISHED_LENGTH = "length"  # max_tokens or the context's end
+    FINISHED_ABORTED = "abort"  # the caller gave up (a closed stream, a disconnected client)
+
+    @property
+    def is_finished(self) -> bool:
+        return self not in (RequestStatus.WAITING, RequestStatus.RUNNING)
+
+
+@dataclass
+class RequestTimings:
+    """Where a request's time went, in seconds of time.perf_counter() and counts of engine steps."""
+
+    arrival_s: float
+    first_scheduled_s: float | None = None
+    first_token_s: float | None = None
+    last_token_s: float | None = None
+    finished_s: float | None = None
+    prefill_chunks: int = 0  # engine steps that carried part of its prompt (chunked prefill, recomputation)
+    prefill_shared_steps: int = 0  # of those, steps that also carried other requests' tokens
+    prefill_compute_s: float = 0.0  # total time of those steps (the request shared them)
+    decode_steps: int = 0  # steps that fed back one generated token
+    decode_batch_sum: int = 0  # requests in each of those steps, summed (→ mean batch it decoded in)
+
+
+@dataclass(eq=False)
+class Request:
+    """A prompt, its sampling settings, and the state the engine keeps while serving it.
+
+    max_tokens is the number of tokens it may generate: params.max_tokens, clipped to the context.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    max_tokens: int
+    eos_token_ids: frozenset[int] = frozenset()
+    arrival_s: float = field(default_factory=time.perf_counter)
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0  # tokens whose K/V are in the cache
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache when first admitted
+    num_preemptions: int = 0
+    timings: RequestTimings = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.all_token_ids: list[int] = list(self.prompt_token_ids)  # prompt, then every generated token
+        self.timings = RequestTimings(arrival_s=self.arrival_s)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.status.value if self.is_finished else None
+
+    def append_token(self, token_id: int) -> RequestStatus | None:
+        """Record a sampled token; return the finished status it causes, if any (EOS, max_tokens)."""
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+        if token_id in self.eos_token_ids and not self.params.ignore_eos:
+            return RequestStatus.FINISHED_STOPPED
+        if self.num_output_tokens >= self.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        return None

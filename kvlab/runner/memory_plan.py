@@ -1,0 +1,91 @@
+"""How big the KV pool is: from `--kv-memory` bytes, or a fraction of the memory free right now.
+
+    bytes per token = 2 (K, V) × layers × kv_heads × head_dim × bytes per number
+    blocks          = budget // (bytes per token × block_size)
+    max concurrency = blocks × block_size ÷ max_model_len   (sequences that fit at full context)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvlab.errors import KvlabError
+
+DEFAULT_KV_FRACTION = 0.2  # of free memory, when --kv-memory is not given
+
+
+@dataclass(frozen=True)
+class KVPoolPlan:
+    block_size: int
+    bytes_per_token: int
+    num_blocks: int
+    source: str  # where the budget came from, in words
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self.bytes_per_token * self.block_size
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @property
+    def nbytes(self) -> int:
+        return self.num_blocks * self.bytes_per_block
+
+    def max_concurrency(self, context: int) -> float:
+        return self.num_tokens / context
+
+
+def free_memory_bytes(device: torch.device) -> int:
+    """Memory available for new allocations: MemAvailable on a CPU, the free device memory on CUDA."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import os
+
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def plan_kv_pool(
+    config,
+    dtype: torch.dtype,
+    device: torch.device,
+    block_size: int,
+    max_model_len: int,
+    kv_memory_bytes: int | None = None,
+    kv_memory_fraction: float | None = None,
+    max_num_seqs: int = 1,
+) -> KVPoolPlan:
+    """The pool's size. Without an explicit byte count: `kv_memory_fraction` of free memory (default 0.2),
+    but no more than `max_num_seqs` sequences at full context need."""
+    if block_size < 1:
+        raise KvlabError(f"--block-size must be at least 1, got {block_size}")
+    per_token = 2 * config.num_layers * config.num_kv_heads * config.head_dim * torch.finfo(dtype).bits // 8
+    per_block = per_token * block_size
+    if kv_memory_bytes is not None:
+        budget, source = kv_memory_bytes, "--kv-memory"
+    else:
+        fraction = DEFAULT_KV_FRACTION if kv_memory_fraction is None else kv_memory_fraction
+        if not 0 < fraction <= 1:
+            raise KvlabError(f"--kv-memory-fraction must be in (0, 1], got {fraction}")
+        free = free_memory_bytes(device)
+        wanted = max_num_seqs * -(-max_model_len // block_size) * per_block
+        budget = min(int(fraction * free), wanted)
+        source = f"min({fraction:g} × {free / 2**30:.1f} GiB free, {max_num_seqs} sequences × {max_model_len} tokens)"
+    num_blocks = budget // per_block
+    if num_blocks * block_size < max_model_len:
+        raise KvlabError(
+            f"the KV pool ({budget / 2**20:.1f} MiB = {num_blocks * block_size} tokens) cannot hold one "
+            f"sequence of {max_model_len} tokens ({per_token} bytes per token): give more --kv-memory "
+            f"or a smaller --max-model-len"
+        )
+    return KVPoolPlan(block_size, per_token, num_blocks, source)

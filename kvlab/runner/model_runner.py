@@ -1,0 +1,159 @@
+"""ModelRunner: a step's plan turned into tensors, one forward through the model, tokens sampled.
+
+    SchedulerOutput ─prepare_inputs─► StepInputs ─forward─► logits [S, V] ─sample─► {request: token}
+
+The step's tokens are packed into one row, decodes first, then each prompt chunk:
+
+    input_ids  [1, N]   the new tokens                 positions [1, N]  their absolute positions
+    slot_mapping [N]    block_table[p // bs] * bs + p % bs: where each one's K/V is written
+    groups              who attends to which keys (kv/paged.py)
+    logits_index [S]    the last token of each chunk that reaches its request's end: only those go
+                        through the LM head, and a token is sampled for each
+
+With `pack_prompts=False` each prompt chunk runs as a forward of its own after the decodes' (the
+layout the benchmark compares against); packing is the default.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from kvlab.kv.cache import AttentionMetadata, build_metadata
+from kvlab.kv.paged import AttentionGroup, PagedKVCache, PagedMetadata
+from kvlab.request import Request
+from kvlab.sampling.sampler import Sampler
+from kvlab.scheduler import ScheduledChunk, SchedulerOutput
+
+
+@dataclass
+class ModelInputs:
+    """One forward pass."""
+
+    input_ids: torch.Tensor  # [1, N]
+    meta: PagedMetadata
+    logits_index: torch.Tensor  # [S] packed index of each sampling chunk's last token
+    sampling: list[Request]  # the request of each logits row
+
+
+@dataclass
+class StepInputs:
+    passes: list[ModelInputs] = field(default_factory=list)
+    block_ops: list = field(default_factory=list)  # zero new blocks, copy prefix runs: done first, in order
+
+    @property
+    def sampling(self) -> list[Request]:
+        return [r for p in self.passes for r in p.sampling]
+
+
+class ModelRunner:
+    def __init__(self, model, cache: PagedKVCache, pack_prompts: bool = True):
+        self.model = model
+        self.cache = cache
+        self.device = cache.device
+        self.block_size = cache.block_size
+        self.pack_prompts = pack_prompts
+        self.samplers: dict[str, Sampler] = {}  # per request: each owns its seeded generator
+
+    # ---- 1. tensors --------------------------------------------------------------------------------
+
+    def prepare_inputs(self, plan: SchedulerOutput) -> StepInputs:
+        decodes = [c for c in plan.chunks if c.num_new_tokens == 1]
+        prompts = [c for c in plan.chunks if c.num_new_tokens > 1]
+        if self.pack_prompts:
+            batches = [decodes + prompts]
+        else:
+            batches = ([decodes] if decodes else []) + [[c] for c in prompts]
+        return StepInputs([self._build(chunks) for chunks in batches], list(plan.block_ops))
+
+    def _build(self, chunks: list[ScheduledChunk]) -> ModelInputs:
+        bs = self.block_size
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        logits_index: list[int] = []
+        sampling: list[Request] = []
+        for c in chunks:
+            ids.extend(c.request.all_token_ids[c.start : c.end])
+            positions.extend(range(c.start, c.end))
+            table = c.block_ids
+            slots.extend(table[p // bs] * bs + p % bs for p in range(c.start, c.end))
+            if c.samples:
+                logits_index.append(len(ids) - 1)
+                sampling.append(c.request)
+        decodes = [c for c in chunks if c.num_new_tokens == 1]
+        groups = [self._decode_group(decodes)] if decodes else []
+        lo = len(decodes)
+        for c in chunks[len(decodes) :]:
+            groups.append(self._chunk_group(c, lo))
+            lo += c.num_new_tokens
+        tensor = lambda x: torch.tensor(x, dtype=torch.long, device=self.device)  # noqa: E731
+        meta = PagedMetadata(
+            positions=tensor([positions]), start=0, slot_mapping=tensor(slots), groups=groups
+        )  # fmt: skip
+        return ModelInputs(tensor([ids]), meta, tensor(logits_index), sampling)
+
+    def _decode_group(self, decodes: list[ScheduledChunk]) -> AttentionGroup:
+        """B sequences, one new token each: keys gathered to the longest, the rest masked."""
+        lens = [c.end for c in decodes]
+        L = max(lens)
+        num_blocks = -(-L // self.block_size)
+        tables = [c.block_ids[:num_blocks] + [0] * (num_blocks - len(c.block_ids[:num_blocks])) for c in decodes]
+        mask = None
+        if min(lens) != L:  # [B, 1, 1, L]: sequence b sees keys 0 .. lens[b] - 1
+            keys = torch.arange(L, device=self.device)
+            mask = (keys[None, :] < torch.tensor(lens, device=self.device)[:, None])[:, None, None, :]
+        positions = torch.tensor([[c.start] for c in decodes], device=self.device)
+        meta = AttentionMetadata(positions=positions, start=L - 1, attn_mask=mask)
+        tables_t = torch.tensor(tables, dtype=torch.long, device=self.device)
+        return AttentionGroup(0, len(decodes), tables_t, L, meta)
+
+    def _chunk_group(self, c: ScheduledChunk, lo: int) -> AttentionGroup:
+        """One prompt chunk: T new tokens after `start` cached ones, causal."""
+        num_blocks = -(-c.end // self.block_size)
+        tables = torch.tensor([c.block_ids[:num_blocks]], dtype=torch.long, device=self.device)
+        meta = build_metadata(c.start, c.num_new_tokens, 1, self.device)
+        return AttentionGroup(lo, lo + c.num_new_tokens, tables, c.end, meta)
+
+    # ---- 2. the model --------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def forward(self, step: StepInputs) -> torch.Tensor:
+        """Run every pass; logits [S, V] float32 for the sampling chunks, in `step.sampling` order."""
+        self.cache.apply(step.block_ops)
+        rows = []
+        for p in step.passes:
+            # a pass with nothing to sample still needs the forward (it writes K/V); one LM-head row is cheap
+            index = p.logits_index if p.sampling else p.logits_index.new_tensor([p.input_ids.shape[1] - 1])
+            logits = self.model(p.input_ids, self.cache, p.meta, logits_index=index)[0]  # [S, V]
+            if p.sampling:
+                rows.append(logits)
+        if not rows:
+            return torch.empty(0, 0)
+        return rows[0] if len(rows) == 1 else torch.cat(rows)
+
+    # ---- 3. tokens --------------------------------------------------------------------------------
+
+    def sample(self, requests: list[Request], logits: torch.Tensor) -> dict[str, int]:
+        """One token per request. Plain greedy rows in one argmax; the rest through each request's Sampler."""
+        tokens: dict[str, int] = {}
+        plain = [i for i, r in enumerate(requests) if r.params.is_greedy and r.params.repetition_penalty == 1.0]
+        if plain:
+            for i, t in zip(plain, logits[plain].argmax(dim=-1).tolist()):
+                tokens[requests[i].request_id] = t
+        for i, r in enumerate(requests):
+            if r.request_id in tokens:
+                continue
+            sampler = self.samplers.get(r.request_id)
+            if sampler is None:
+                sampler = self.samplers[r.request_id] = Sampler(r.params, self.device)
+            history = None
+            if r.params.repetition_penalty != 1.0:
+                history = torch.tensor(r.all_token_ids, device=logits.device)
+            tokens[r.request_id] = sampler(logits[i], history)
+        return tokens
+
+    def release(self, request_id: str) -> None:
+        """Forget a finished request's sampler."""
+        self.samplers.pop(request_id, None)

@@ -1,0 +1,178 @@
+"""Scheduler: which requests run this step, and how many of their tokens, within a token budget.
+
+Pure Python, no torch. There is no prefill phase and no decode phase: each request has tokens whose
+K/V are not in the cache yet (`num_tokens - num_computed_tokens`: a whole prompt, part of one, or
+the one token sampled last step) and every step closes some of that gap for as many requests as
+the budget (`max_num_batched_tokens`) and `max_num_seqs` allow:
+
+    1. running requests, one-token gaps (decodes) first, then unfinished prompts (chunked prefill);
+       when the pool has no block for one, the most recently admitted request is preempted: its
+       blocks are freed and it goes back to the front of the queue, to be recomputed later;
+    2. then waiting requests, first come first served, each starting after its prefix-cache hit.
+
+A chunk that reaches the end of its request's known tokens yields logits, and a token is sampled.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from kvlab.kv.manager import BlockOp, KVCacheManager
+from kvlab.request import Request, RequestStatus
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_model_len: int
+    max_num_seqs: int = 32  # requests running at once
+    max_num_batched_tokens: int = 512  # tokens through the model in one step
+    recompute_every_step: bool = False  # no KV cache: forget a request's tokens after each sample
+
+    def __post_init__(self) -> None:
+        for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+
+
+@dataclass
+class ScheduledChunk:
+    """One request's share of a step: tokens [start, start + num_new_tokens) go through the model."""
+
+    request: Request
+    start: int
+    num_new_tokens: int
+    block_ids: list[int]  # the request's block table
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_new_tokens
+
+    @property
+    def samples(self) -> bool:
+        """True when the chunk reaches the last known token: its logits give the next token."""
+        return self.end == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    step: int
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    block_ops: list[BlockOp] = field(default_factory=list)  # zero new blocks, copy prefix runs: in order, first
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_new_tokens for c in self.chunks)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager):
+        self.config = config
+        self.kv = kv
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_steps = 0
+        self.num_preemptions = 0
+
+    @property
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add_request(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    # ---- the plan for one step -------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput(step=self.num_steps)
+        self.num_steps += 1
+        budget = self.config.max_num_batched_tokens
+        scheduled: set[str] = set()
+        decodes_first = sorted(self.running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1)
+        for req in decodes_first:
+            if budget == 0:
+                break
+            if req.status is not RequestStatus.RUNNING:  # preempted for an earlier request of this loop
+                continue
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            while (ops := self.kv.allocate_slots(req, n)) is None:
+                victim = next(r for r in reversed(self.running) if r.request_id not in scheduled)
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is req:
+                    break
+            else:
+                out.chunks.append(ScheduledChunk(req, req.num_computed_tokens, n, self.kv.block_tables[req.request_id]))
+                out.block_ops.extend(ops)
+                scheduled.add(req.request_id)
+                budget -= n
+
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs and not out.preempted:
+            req = self.waiting[0]
+            hit = self.kv.find_prefix(req)
+            n = min(req.num_tokens - hit.num_tokens, budget)
+            ops = self.kv.allocate_slots(req, n, hit)
+            if ops is None:
+                break  # wait for blocks; later requests wait behind it (first come, first served)
+            self.waiting.popleft()
+            self._admit(req, hit.num_tokens)
+            out.chunks.append(ScheduledChunk(req, req.num_computed_tokens, n, self.kv.block_tables[req.request_id]))
+            out.block_ops.extend(ops)
+            budget -= n
+        return out
+
+    def _admit(self, req: Request, num_cached: int) -> None:
+        req.status = RequestStatus.RUNNING
+        req.num_computed_tokens = num_cached
+        if req.timings.first_scheduled_s is None:  # first admission (not a return after preemption)
+            req.timings.first_scheduled_s = time.perf_counter()
+            req.num_cached_tokens = num_cached
+            self.kv.stats.record(req.num_prompt_tokens, num_cached)
+        self.running.append(req)
+
+    def _preempt(self, req: Request) -> None:
+        """Free every block of `req` and queue it first: it will recompute what it had (recomputation)."""
+        self.running.remove(req)
+        self.kv.free(req)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.WAITING
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    # ---- after the step ----------------------------------------------------------------------------
+
+    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        """Advance every scheduled request; append sampled tokens. Returns the requests that got one."""
+        got = []
+        for chunk in out.chunks:
+            req = chunk.request
+            if req.is_finished:
+                continue
+            req.num_computed_tokens = chunk.end
+            self.kv.register_full_blocks(req)
+            token = sampled.get(req.request_id)
+            if token is None:
+                continue
+            got.append(req)
+            status = req.append_token(token)
+            if status is not None:
+                self.finish_request(req, status)
+            elif self.config.recompute_every_step:
+                self.kv.free(req)
+                req.num_computed_tokens = 0
+        return got
+
+    def finish_request(self, req: Request, status: RequestStatus) -> None:
+        """End a request (stop string, abort, EOS, length): its blocks go back to the pool."""
+        if req.is_finished:
+            return
+        if req.status is RequestStatus.RUNNING:
+            self.running.remove(req)
+        else:
+            self.waiting.remove(req)
+        self.kv.free(req)
+        req.status = status
+        req.timings.finished_s = time.perf_counter()

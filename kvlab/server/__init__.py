@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP server (FastAPI + uvicorn, imported only when serving) and its metrics."""

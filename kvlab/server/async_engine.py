@@ -1,0 +1,147 @@
+"""AsyncEngine: the engine in a thread of its own, fed from the web server's event loop.
+
+    event loop ──submit(request)──► inbox (queue.Queue) ──► engine thread: add, abort, step()
+    event loop ◄──asyncio.Queue per request◄── call_soon_threadsafe(StepOutput) ◄──┘
+
+Only the engine thread touches the engine (the scheduler, the KV pool, the model): no locks in the
+engine itself. The thread blocks on the inbox while there is nothing to run. A request's queue
+receives StepOutputs (new text, new token ids) and, last, one with `finished` set; the
+`output` it carries is only read after that, when the engine no longer writes it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+from dataclasses import dataclass
+
+from kvlab.engine import LLMEngine
+from kvlab.output.processor import StepOutput
+from kvlab.output.result import RequestOutput
+from kvlab.sampling import SamplingParams
+
+
+@dataclass
+class _Listener:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+
+
+class EngineDead(RuntimeError):
+    pass
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self._inbox: queue.Queue = queue.Queue()
+        self._listeners: dict[str, _Listener] = {}
+        self._thread = threading.Thread(target=self._run, name="kvlab-engine", daemon=True)
+        self.error: BaseException | None = None
+        self.stopped = threading.Event()
+        self.draining = False  # shutting down: no new requests
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread.is_alive() and self.error is None
+
+    def start(self) -> None:
+        self._thread.start()
+
+    # ---- called from the event loop ------------------------------------------------------------------
+
+    def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+               output: RequestOutput) -> asyncio.Queue:  # fmt: skip
+        if not self.is_alive or self.draining:
+            raise EngineDead("the engine has stopped")
+        listener = _Listener(asyncio.get_running_loop(), asyncio.Queue())
+        self._inbox.put(("add", request_id, prompt_token_ids, params, output, listener))
+        return listener.queue
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request (a client went away); its queue gets the final output."""
+        self._inbox.put(("abort", request_id))
+
+    def abort_all(self) -> None:
+        """Stop every request in flight (shutting down): each stream ends with finish_reason "abort"."""
+        self.draining = True
+        self._inbox.put(("abort_all",))
+
+    def num_in_flight(self) -> int:
+        return len(self._listeners)
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Abort whatever is still running and stop the thread."""
+        if self._thread.is_alive():
+            self._inbox.put(("stop",))
+            self._thread.join(timeout)
+
+    # ---- the engine thread ---------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while True:
+                if not self._drain(block=not self.engine.has_unfinished_requests):
+                    break
+                if self.engine.has_unfinished_requests:
+                    for out in self.engine.step():
+                        self._deliver(out)
+        except BaseException as e:  # a bug: fail every request rather than hang them
+            self.error = e
+            for rid in list(self._listeners):
+                self._deliver_error(rid, e)
+            raise
+        finally:
+            for rid in list(self._listeners):  # shutting down: abort what is left
+                out = self.engine.abort_request(rid)
+                if out is not None:
+                    self._deliver(out)
+            self.stopped.set()
+
+    def _drain(self, block: bool) -> bool:
+        """Apply every pending command (waiting for one if `block`); False once asked to stop."""
+        while True:
+            try:
+                command = self._inbox.get(block=block)
+            except queue.Empty:
+                return True
+            block = False
+            if command[0] == "stop":
+                return False
+            if command[0] == "add":
+                _, rid, ids, params, output, listener = command
+                self._listeners[rid] = listener
+                try:
+                    self.engine.add_request(ids, params, request_id=rid, output=output)
+                except Exception as e:  # checked before submit; anything left is reported to the request
+                    self._deliver_error(rid, e)
+            elif command[0] == "abort":
+                out = self.engine.abort_request(command[1])
+                if out is not None:
+                    self._deliver(out)
+            elif command[0] == "abort_all":
+                for rid in list(self._listeners):
+                    out = self.engine.abort_request(rid)
+                    if out is not None:
+                        self._deliver(out)
+
+    def _deliver(self, out: StepOutput) -> None:
+        listener = self._listeners.get(out.request_id)
+        if listener is None:
+            return
+        if out.finished:
+            del self._listeners[out.request_id]
+        _put(listener, out)
+
+    def _deliver_error(self, rid: str, error: BaseException) -> None:
+        listener = self._listeners.pop(rid, None)
+        if listener is not None:
+            _put(listener, error)
+
+
+def _put(listener: _Listener, item) -> None:
+    try:
+        listener.loop.call_soon_threadsafe(listener.queue.put_nowait, item)
+    except RuntimeError:  # the event loop has closed: nobody is listening any more
+        pass

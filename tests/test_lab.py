@@ -1,0 +1,154 @@
+"""`kvlab lab` on a tiny random model: every file, key and plot, the structural checks, bad input.
+
+No test asserts a timing: the machine running the tests is shared and its timings are noise. The
+quick runs use one thread, which keeps them fast on a busy machine.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from dataclasses import fields
+
+import pytest
+import torch
+
+from kvlab.cli import main
+from kvlab.lab import EXPERIMENTS, experiment_module
+from kvlab.lab.attention import AttentionResult, PeakRSS
+from kvlab.lab.batching import BatchingResult
+from kvlab.lab.cache import CacheResult
+from kvlab.lab.common import measure
+from kvlab.lab.context import ContextResult
+from kvlab.lab.dtype import DtypeResult
+from kvlab.lab.kv_verify import KvVerifyResult
+from kvlab.lab.phases import PhasesResult
+from kvlab.lab.plots import PLOTS
+from kvlab.lab.roofline import RooflineResult
+
+RESULT_TYPES = {
+    "phases": PhasesResult, "cache": CacheResult, "roofline": RooflineResult, "dtype": DtypeResult,
+    "context": ContextResult, "attention": AttentionResult, "batching": BatchingResult,
+    "kv-verify": KvVerifyResult,
+}  # fmt: skip
+QUICK = ["--quick", "--threads", "1", "--repeat", "2", "--no-progress"]
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def lab_run(tiny_chat_model, tmp_path_factory):
+    """One quick `kvlab lab all` on the tiny model: (output folder, results.json as a dict)."""
+    out = tmp_path_factory.mktemp("lab")
+    assert main(["lab", "all", "--model", str(tiny_chat_model), "--out", str(out), *QUICK]) == 0
+    return out, json.loads((out / "results.json").read_text())
+
+
+def test_all_writes_every_file_and_key(lab_run):
+    out, results = lab_run
+    for key in ("command", "started", "finished", "machine", "model", "settings", "experiments"):
+        assert key in results, key
+    for key in ("cpu_model", "cores", "threads", "torch_version", "ram_available_bytes", "load_average"):
+        assert key in results["machine"], key
+    for key in ("name", "dtype", "weight_bytes", "decode_weight_bytes", "params"):
+        assert key in results["model"], key
+    assert results["machine"]["threads"] == 1 and results["settings"]["repeat"] == 2
+    assert results["command"].startswith("kvlab lab all --model ")
+    assert list(results["experiments"]) == list(EXPERIMENTS)
+    for name, data in results["experiments"].items():
+        expected = {f.name for f in fields(RESULT_TYPES[name])} | {"started", "finished", "wall_s"}
+        assert expected <= set(data), (name, expected - set(data))
+    for name in PLOTS:
+        png = (out / f"{name}.png").read_bytes()
+        assert png.startswith(PNG_MAGIC) and len(png) > 5000, name
+    report = (out / "report.md").read_text()
+    for name in EXPERIMENTS:
+        module = experiment_module(name)
+        assert f"## " in report and module.TITLE in report, name
+        assert module.verdict(results["experiments"][name]) in report
+        assert (f"({name}.png)" in report) == (name in PLOTS)
+    assert report.count("**Here.**") == len(EXPERIMENTS)
+
+
+def test_timings_are_medians_of_the_requested_runs(lab_run):
+    timing = lab_run[1]["experiments"]["phases"]["prefill"][0]["timing"]
+    assert timing["runs"] == 2 == len(timing["samples_s"])
+    assert timing["min_s"] <= timing["median_s"] <= timing["max_s"]
+
+
+def test_structural_checks_hold(lab_run):
+    exp = lab_run[1]["experiments"]
+    cache = exp["cache"]
+    assert cache["all_tokens_equal"] and all(p["tokens_equal"] for p in cache["points"])
+    assert all(p["cached_ids"][: len(p["uncached_ids"])] == p["uncached_ids"] for p in cache["points"])
+    kv = exp["kv-verify"]
+    assert kv["exact"] and all(c["equal"] for c in kv["checks"])
+    assert any(s["name"] == "qwen3-0.6b" and s["numbers_at_512"] == 29_360_128 for s in kv["seed_models"])
+    points = exp["attention"]["points"]
+    assert points and all(p["max_logit_diff"] is not None and p["max_logit_diff"] < 1e-3 for p in points)
+    dtypes = [p["dtype"] for p in exp["dtype"]["points"]]
+    assert dtypes == ["float32", "bfloat16", "float16"]
+    assert [p["tokens"] for p in exp["batching"]["passes"]] == [1, 2, 4, 8, 16, 32]
+
+
+def test_report_rerenders_from_results_alone(lab_run, tmp_path, capsys):
+    out, _ = lab_run
+    shutil.copy(out / "results.json", tmp_path / "results.json")
+    assert main(["lab", "report", str(tmp_path / "results.json")]) == 0
+    assert (tmp_path / "report.md").read_text() == (out / "report.md").read_text()
+    for name in PLOTS:
+        assert (tmp_path / f"{name}.png").read_bytes().startswith(PNG_MAGIC)
+    assert "report.md" in capsys.readouterr().out
+
+
+def test_compare_transformers_adds_ratio_columns(tiny_chat_model, tmp_path):
+    """Two single experiments into one folder: each gets transformers' figures, the results accumulate."""
+    for name in ("phases", "cache"):
+        args = ["lab", name, "--model", str(tiny_chat_model), "--out", str(tmp_path), "--compare", "transformers"]
+        assert main([*args, *QUICK]) == 0
+    results = json.loads((tmp_path / "results.json").read_text())
+    phases, cache = results["experiments"]["phases"], results["experiments"]["cache"]
+    assert [p["prompt_tokens"] for p in phases["transformers"]["prefill"]] == [p["prompt_tokens"] for p in phases["prefill"]]
+    assert all(d["same_tokens_as_kvlab"] for d in phases["transformers"]["decode"])
+    assert all(p["same_tokens_as_kvlab"] for p in cache["transformers"]["points"])
+    report = (tmp_path / "report.md").read_text()
+    assert report.count("kvlab ÷ transformers") == 3  # prefill, decode and cache tables
+    assert "`kvlab lab phases " in report and "`kvlab lab cache " in report  # each run is credited
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["lab", "nonsense", "--model", "MODEL"],
+        ["lab", "phases", "--model", "MODEL", "--repeat", "0"],
+        ["lab", "phases", "--model", "MODEL", "--repeat", "many"],
+        ["lab", "phases", "--model", "no-such-model"],
+        ["lab", "phases"],
+        ["lab", "roofline", "--model", "MODEL", "--compare", "transformers"],
+        ["lab", "phases", "--model", "MODEL", "--dtype", "int3"],
+        ["lab", "report"],
+        ["lab", "report", "/nonexistent/results.json"],
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(args, tiny_chat_model, capsys):
+    args = [str(tiny_chat_model) if a == "MODEL" else a for a in args]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvlab: error: ") and err.count("\n") == 1, err
+
+
+def test_measure_discards_the_warmup_and_stops_at_the_time_limit():
+    calls = []
+    timing = measure(lambda: calls.append(1), repeat=3)
+    assert len(calls) == 4 and timing.runs == 3
+    calls.clear()
+    timing = measure(lambda: calls.append(1), repeat=5, warmup=0, max_total_s=-1.0)
+    assert len(calls) == 1 and timing.runs == 1  # over the limit after the first run
+
+
+def test_peak_rss_sees_a_short_lived_allocation():
+    with PeakRSS() as peak:
+        big = torch.ones(50 * 2**20 // 4)  # 50 MiB, every page written
+        time.sleep(0.05)
+        del big
+    assert peak.delta_bytes >= 40 * 2**20
