@@ -1,5 +1,5 @@
 """Compute kernels behind the model's layers."""
 
-from kvlab.kernels.gemv import linear
+from kvlab.kernels.gemv import decode_threads, linear
 
-__all__ = ["linear"]
+__all__ = ["decode_threads", "linear"]

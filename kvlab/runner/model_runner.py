@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvlab.kernels import decode_threads
 from kvlab.kv.cache import AttentionMetadata, build_metadata
 from kvlab.kv.paged import AttentionGroup, PagedKVCache, PagedMetadata
 from kvlab.request import Request
@@ -126,7 +127,8 @@ class ModelRunner:
         for p in step.passes:
             # a pass with nothing to sample still needs the forward (it writes K/V); one LM-head row is cheap
             index = p.logits_index if p.sampling else p.logits_index.new_tensor([p.input_ids.shape[1] - 1])
-            logits = self.model(p.input_ids, self.cache, p.meta, logits_index=index)[0]  # [S, V]
+            with decode_threads(p.input_ids.shape[1]):
+                logits = self.model(p.input_ids, self.cache, p.meta, logits_index=index)[0]  # [S, V]
             if p.sampling:
                 rows.append(logits)
         if not rows:

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvlab.errors import KvlabError
+from kvlab.kernels import decode_threads
 from kvlab.kv.cache import ContiguousKVCache, KVCache, NoCache
 from kvlab.model.loader import LoadedModel
 from kvlab.output.result import RequestMetrics
@@ -70,7 +71,8 @@ class Engine:
         """Append `ids` to the (single) sequence in `cache`; logits [V] of the last one."""
         input_ids = torch.tensor([ids], dtype=torch.long, device=self.device)
         meta = cache.plan(len(ids))
-        logits = self.model(input_ids, cache, meta)[0]
+        with decode_threads(len(ids)):
+            logits = self.model(input_ids, cache, meta)[0]
         cache.commit(meta)
         return logits
 
