@@ -57,7 +57,9 @@ class LLMEngine:
         model, model_config = loaded.model, loaded.config
         context = config.max_model_len or model_config.max_position_embeddings
         self.max_model_len = min(context, model.rotary.cos.shape[0])
-        self.eos_token_ids: tuple[int, ...] = model_config.eos_token_ids
+        # the model's end-of-sequence ids and the tokenizer's (end-of-turn tokens, generation_config's)
+        eos = set(model_config.eos_token_ids) | set(tokenizer.eos_token_ids if tokenizer else ())
+        self.eos_token_ids: tuple[int, ...] = tuple(sorted(eos))
         self.pool_plan: KVPoolPlan = plan_kv_pool(
             model_config, model.dtype, model.device, config.block_size, self.max_model_len,
             config.kv_memory_bytes, config.kv_memory_fraction, config.max_num_seqs,

@@ -64,8 +64,6 @@ class LLM:
         except TypeError as e:
             raise KvlabError(f"unknown engine option: {e}") from None
         self.engine = LLMEngine(self.loaded, self.tokenizer, engine_config)
-        eos = set(self.config.eos_token_ids) | set(self.tokenizer.eos_token_ids if self.tokenizer else ())
-        self.engine.eos_token_ids = tuple(sorted(eos))
         self._streams: dict[str, TextStream] = {}
 
     # ---- prompts ---------------------------------------------------------------------------

@@ -60,6 +60,15 @@ def test_eos_stops_unless_ignored(tiny_llm):
         tiny_llm.engine.eos_token_ids = eos_before
 
 
+def test_the_engine_knows_the_tokenizers_eos_ids_too(tiny_llm):
+    """LLMEngine itself (not only LLM) ends requests at the tokenizer's end-of-turn tokens."""
+    from kvlab.engine import LLMEngine
+
+    engine = LLMEngine(tiny_llm.loaded, tiny_llm.tokenizer)
+    assert set(engine.eos_token_ids) == set(tiny_llm.config.eos_token_ids) | set(tiny_llm.tokenizer.eos_token_ids)
+    assert tiny_llm.tokenizer.eos_token_ids
+
+
 def test_seed_reproduces_sampling(tiny_llm):
     p = SamplingParams(max_tokens=16, temperature=1.0, top_p=0.95, seed=42, ignore_eos=True)
     a, b = tiny_llm.generate("x", p), tiny_llm.generate("x", p)
