@@ -8,13 +8,20 @@ Measures, alternating the two engines so that machine drift hits both:
   - prefill tok/s at 256 and 1024 tokens (one forward, logits of the last position only)
 and prints medians (min–max), kvlab/transformers ratios, and decode's share of the bandwidth
 roofline: weight bytes one decode step reads ÷ step time ÷ bandwidth. Warm-up runs are excluded.
+
+On a GPU, where the real GGUF files may not be at hand, `--random qwen3-0.6b` builds a model with a
+bundled config's real shapes and random weights (speed depends on shapes, not on the numbers):
+
+    python benchmarks/bench_core.py --device cuda --random qwen3-0.6b --dtype bfloat16
 """
 
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import platform
+import shutil
 import statistics
 import sys
 import time
@@ -36,16 +43,40 @@ def median_min_max(xs):
     return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "samples": len(xs)}
 
 
+DEVICE = torch.device("cpu")
+
+
+def tensor(ids: list[int]) -> torch.Tensor:
+    return torch.tensor([ids], device=DEVICE)
+
+
 def read_bandwidth(gib: float = 2.0, repeats: int = 7) -> list[float]:
-    """GB/s of a sum over a large float32 tensor (reads every byte once)."""
-    x = torch.ones(int(gib * 2**30) // 4)
-    x.sum()
+    """GB/s of a sum over a large float32 tensor (reads every byte once); `.item()` waits for a GPU."""
+    x = torch.ones(int(gib * 2**30) // 4, device=DEVICE)
+    x.sum().item()
     out = []
     for _ in range(repeats):
         t = time.perf_counter()
-        x.sum()
+        x.sum().item()
         out.append(x.numel() * 4 / (time.perf_counter() - t) / 1e9)
     return out
+
+
+def random_model(name: str, dtype: torch.dtype) -> Path:
+    """A bundled config's shapes with random weights, saved as safetensors in a temporary folder."""
+    import tempfile
+    from importlib.resources import files
+
+    import transformers
+
+    cfg = json.loads(files("kvlab.configs").joinpath(f"{name}.json").read_text())
+    config = transformers.AutoConfig.for_model(**cfg)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+    directory = Path(tempfile.mkdtemp(prefix=f"kvlab-random-{name}-"))
+    atexit.register(shutil.rmtree, directory, True)
+    model.save_pretrained(directory)
+    return directory
 
 
 def prompt_ids(n: int, vocab: int) -> list[int]:
@@ -69,49 +100,61 @@ def hf_decode(model, ids: list[int], steps: int) -> float:
 
     class Stamp(StoppingCriteria):
         def __call__(self, input_ids, scores, **kwargs):
+            if DEVICE.type == "cuda":
+                torch.cuda.synchronize()
             stamps.append(time.perf_counter())
-            return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
     with torch.inference_mode():
         model.generate(
-            torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long), max_new_tokens=steps,
+            tensor(ids), attention_mask=torch.ones(1, len(ids), dtype=torch.long, device=DEVICE), max_new_tokens=steps,
             min_new_tokens=steps, do_sample=False, stopping_criteria=[Stamp()], pad_token_id=0,
         )  # fmt: skip
     return (len(stamps) - 1) / (stamps[-1] - stamps[0])
 
 
 def kvlab_prefill(loaded, ids: list[int]) -> float:
-    cache = ContiguousKVCache.for_model(loaded.config, len(ids), dtype=loaded.model.dtype)
+    cache = ContiguousKVCache.for_model(loaded.config, len(ids), dtype=loaded.model.dtype, device=DEVICE)
     with torch.inference_mode():
         t = time.perf_counter()
-        loaded.model(torch.tensor([ids]), cache, cache.plan(len(ids))).argmax()
+        loaded.model(tensor(ids), cache, cache.plan(len(ids))).argmax().item()
         return len(ids) / (time.perf_counter() - t)
 
 
 def hf_prefill(model, ids: list[int]) -> float:
     with torch.inference_mode():
         t = time.perf_counter()
-        model(torch.tensor([ids]), use_cache=True, logits_to_keep=1).logits[0, -1].argmax()
+        model(tensor(ids), use_cache=True, logits_to_keep=1).logits[0, -1].argmax().item()
         return len(ids) / (time.perf_counter() - t)
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--random", metavar="CONFIG", help="a bundled config's shapes with random weights, not --model")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--decode-context", type=int, default=64)
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    global DEVICE
+    DEVICE = torch.device(args.device)
     import transformers
 
-    path = Path(resolve_model(args.model))
     dtype = getattr(torch, args.dtype)
-    ours = load_model(path, dtype=args.dtype)
+    if args.random:
+        path = random_model(args.random, dtype)
+        args.model = f"{args.random} (random weights)"
+        hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    else:
+        path = Path(resolve_model(args.model))
+        hf = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype)
+    hf = hf.to(DEVICE).eval()
+    ours = load_model(path, dtype=args.dtype, device=DEVICE)
     engine = Engine(ours, max_model_len=4096)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype).eval()
     vocab = ours.config.vocab_size
     decode_prompt = prompt_ids(args.decode_context, vocab)
 
@@ -141,6 +184,7 @@ def main() -> int:
         results[engine_name]["decode_share_of_roofline"] = nbytes * tok_s / 1e9 / bw
     results["machine"] = {
         "cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
+        "device": torch.cuda.get_device_name(DEVICE) if DEVICE.type == "cuda" else "cpu",
         "torch": torch.__version__, "transformers": transformers.__version__,
     }  # fmt: skip
     results["model"] = {"name": args.model, "dtype": args.dtype, "decode_weight_bytes": step_bytes}
@@ -156,7 +200,7 @@ def print_table(r: dict, args) -> None:
     def cell(d):
         return f"{d['median']:8.1f} ({d['min']:.1f}–{d['max']:.1f})"
 
-    print(f"\n{args.model} {args.dtype}, {r['machine']['threads']} threads, torch {r['machine']['torch']}, "
+    print(f"\n{args.model} {args.dtype} on {r['machine']['device']}, {r['machine']['threads']} threads, torch {r['machine']['torch']}, "
           f"transformers {r['machine']['transformers']}; medians (min–max) of {args.repeat}")  # fmt: skip
     print(f"{'':22s} {'kvlab':>22s} {'transformers':>22s} {'ratio':>22s}")
     for name in ("decode_tok_s", "prefill_256_tok_s", "prefill_1024_tok_s"):

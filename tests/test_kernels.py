@@ -62,3 +62,23 @@ def test_greedy_tokens_identical_with_and_without_kernel(tiny_llm):
     finally:
         set_kernels_enabled(True)
     assert with_kernel == without
+
+
+@needs_kernel
+def test_back_to_back_calls_of_different_sizes_on_an_oversubscribed_pool():
+    """Small and large calls alternate while more workers than cores contend: a worker that wakes late
+    must never compute or count a chunk under the wrong call (each result is bit-identical)."""
+    import time
+
+    g = torch.Generator().manual_seed(0)
+    small, large, x = torch.randn(32, 64, generator=g), torch.randn(4096, 64, generator=g), torch.randn(1, 64, generator=g)
+    gemv.set_kernel_threads(8)
+    try:
+        want_small, want_large = linear(x, small).clone(), linear(x, large).clone()
+        end, calls = time.perf_counter() + 2.0, 0
+        while time.perf_counter() < end:
+            assert torch.equal(linear(x, small), want_small) and torch.equal(linear(x, large), want_large)
+            calls += 1
+        assert calls > 100
+    finally:
+        gemv.set_kernel_threads(None)

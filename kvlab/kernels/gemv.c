@@ -122,7 +122,11 @@ typedef struct {
     int helpers;  // workers allowed to claim chunks of this job
 } Job;
 
-static Job job;                   // written only while no chunk of the previous job is outstanding
+// Job g lives in jobs[g & 1]. A worker can wake late, after job g is finished and job g+1 has begun;
+// it must neither read a half-written job nor count work under the wrong job. So the driver writes a
+// slot only for job g+2, after claims are tagged g+1, and a worker checks the claim tag after copying
+// its slot: a copy that could be torn always fails that check (fences on both sides order the two).
+static Job jobs[2];
 static atomic_long claim;         // (generation << 32) | next block to hand out
 static atomic_long done_blocks;   // blocks finished in the current job
 static atomic_long generation;    // bumped once per job: what idle workers watch
@@ -132,7 +136,8 @@ static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t wake = PTHREAD_COND_INITIALIZER;
 
 static void run_chunks(long gen) {
-    const Job j = job;  // valid while claims tagged `gen` succeed: the next job waits for this one
+    const Job j = jobs[gen & 1];  // valid while claims are tagged `gen` (checked below, after the copy)
+    atomic_thread_fence(memory_order_acquire);
     for (;;) {
         long v = atomic_load_explicit(&claim, memory_order_acquire), b0;
         do {
@@ -184,7 +189,7 @@ static void* worker(void* arg) {
             pthread_mutex_unlock(&lock);
         }
         seen = gen;
-        if (index < job.helpers) run_chunks(gen);
+        if (index < jobs[gen & 1].helpers) run_chunks(gen);  // a stale read only decides whether to try
     }
     return NULL;
 }
@@ -206,7 +211,8 @@ static void gemv(BlockFn dot, const void* w, long elem_bytes, float (*scalar)(co
     int helpers = threads > 1 ? threads - 1 : 0;
     ensure_workers(helpers);
     long gen = atomic_load(&generation) + 1;
-    job = (Job){dot, (const char*)w, n * elem_bytes, x, bias, y, m, n, out, blocks, helpers};
+    atomic_thread_fence(memory_order_seq_cst);  // claims tagged gen-1 are visible before the slot changes
+    jobs[gen & 1] = (Job){dot, (const char*)w, n * elem_bytes, x, bias, y, m, n, out, blocks, helpers};
     atomic_store_explicit(&done_blocks, 0, memory_order_relaxed);
     atomic_store_explicit(&claim, gen << 32, memory_order_release);
     atomic_store_explicit(&generation, gen, memory_order_release);

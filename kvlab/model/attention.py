@@ -29,7 +29,7 @@ def sdpa_attention(q, k, v, meta: AttentionMetadata) -> torch.Tensor:
         # head can stand as rows of one head: plain attention over Hkv heads, no GQA expansion at all.
         # A batch of different lengths brings a key mask [B, 1, 1, L]; it broadcasts over those rows.
         out = F.scaled_dot_product_attention(q.reshape(B, Hkv, H // Hkv, D), k, v, attn_mask=meta.attn_mask)
-        return out.view(B, H, 1, D)
+        return out.reshape(B, H, 1, D)  # a GPU kernel may hand back [B, Hkv, g, D] in another layout
     return F.scaled_dot_product_attention(q, k, v, attn_mask=meta.attn_mask, is_causal=meta.is_causal, enable_gqa=True)
 
 
