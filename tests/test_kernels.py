@@ -82,3 +82,42 @@ def test_back_to_back_calls_of_different_sizes_on_an_oversubscribed_pool():
         assert calls > 100
     finally:
         gemv.set_kernel_threads(None)
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows, n", [(1, 64), (5, 577), (32, 896)])
+def test_c_rms_norm_matches_the_pytorch_formula(rows, n):
+    from kvlab.kernels.gemv import rms_norm, small_ops_apply
+
+    g = torch.Generator().manual_seed(n)
+    x, w = torch.randn(1, rows, n, generator=g) * 3, torch.randn(n, generator=g)
+    assert small_ops_apply(x, rows)
+    expected = w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+    got = rms_norm(x, w, 1e-6)
+    assert got.shape == x.shape
+    assert (got - expected).abs().max().item() <= 1e-5 * expected.abs().max().item()
+
+
+@needs_kernel
+@pytest.mark.parametrize("B, T, heads, D", [(1, 1, 12, 64), (4, 1, 9, 128), (1, 3, 5, 32)])
+def test_c_rope_matches_the_pytorch_rotation_in_place(B, T, heads, D):
+    from kvlab.kernels.gemv import rope_in_place, small_ops_apply
+
+    g = torch.Generator().manual_seed(D)
+    qkv = torch.randn(B, T, heads + 3, D, generator=g)  # as in the model: rotate the first `heads` heads
+    x = qkv[:, :, :heads]
+    cos, sin = torch.randn(B, T, 1, D, generator=g), torch.randn(B, T, 1, D, generator=g)
+    expected = torch.addcmul(x * cos, x.roll(D // 2, dims=-1), sin)
+    untouched = qkv[:, :, heads:].clone()
+    assert small_ops_apply(x, B * T) and rope_in_place(x, cos, sin)
+    assert (x - expected).abs().max().item() < 1e-5
+    assert torch.equal(qkv[:, :, heads:], untouched)
+
+
+def test_small_ops_stay_in_pytorch_where_c_does_not_apply():
+    from kvlab.kernels.gemv import rope_in_place, small_ops_apply
+
+    assert not small_ops_apply(torch.randn(1, 1, 64, dtype=torch.bfloat16), 1)
+    assert not small_ops_apply(torch.randn(1, gemv.MAX_ROWS + 1, 64), gemv.MAX_ROWS + 1)  # prefill-sized
+    x = torch.randn(1, 1, 4, 64).transpose(2, 3)  # not [.., heads, D] with D contiguous
+    assert not rope_in_place(x, torch.randn(1, 1, 1, 4), torch.randn(1, 1, 1, 4))

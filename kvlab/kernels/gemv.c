@@ -3,8 +3,10 @@
 // Decode multiplies a handful of activation rows by every weight matrix: the arithmetic is tiny
 // and the time is the time to stream W from memory. BLAS with one row streams well under the
 // machine's read bandwidth; this kernel reads W exactly once, in order, in blocks of 4 output rows.
-// Each block is 4 sequential streams (good for the prefetchers); every activation row is multiplied
-// against the block while it sits in L1; 8 vector accumulators of 8 floats stay in registers.
+// Long rows are read as 4 interleaved streams, short rows (≤ 768 elements) one row after another:
+// measured here, 4 streams of a 2.3 KB row read 15-20% slower than the same bytes as one stream,
+// and 4 streams of 6-19 KB rows 5-15% faster. Every activation row is multiplied against the block
+// while it sits in L1; the vector accumulators stay in registers.
 // W may be float32, bfloat16 or float16; x, y and the sums are float32.
 //
 // Threads: a small pool of its own, not OpenMP. The caller and the workers claim chunks of blocks
@@ -16,6 +18,7 @@
 // GCC/Clang vector extensions keep it portable: 8-float vectors map to AVX/AVX2 registers, or are
 // split by the compiler on narrower machines.
 
+#include <math.h>
 #include <pthread.h>
 #include <sched.h>
 #include <stdatomic.h>
@@ -95,6 +98,28 @@ static inline float hsum(v8f v) { return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2
             s2 += SCALAR(w2[i]) * x[i]; s3 += SCALAR(w3[i]) * x[i];                                \
         }                                                                                          \
         out[0] = s0; out[1] = s1; out[2] = s2; out[3] = s3;                                        \
+    }
+
+#define SHORT_ROW 768  // elements: at most this, a block's rows are read one after another
+
+// the same for short rows, each row in turn: the block is one sequential stream
+#define DEFINE_ROW_DOT(NAME, W_T, LOAD, SCALAR)                                                    \
+    static inline void NAME(const W_T* w, const float* x, float* out, long n) {                  \
+        for (int r = 0; r < BLOCK; r++) {                                                          \
+            const W_T* wr = w + r * n;                                                             \
+            v8f a = {0}, b = {0}, c = {0}, d = {0};                                                \
+            long i = 0;                                                                            \
+            for (; i + 32 <= n; i += 32) {                                                         \
+                a += LOAD(wr + i) * load_f32(x + i);                                               \
+                b += LOAD(wr + i + 8) * load_f32(x + i + 8);                                       \
+                c += LOAD(wr + i + 16) * load_f32(x + i + 16);                                     \
+                d += LOAD(wr + i + 24) * load_f32(x + i + 24);                                     \
+            }                                                                                      \
+            for (; i + 8 <= n; i += 8) a += LOAD(wr + i) * load_f32(x + i);                        \
+            float s = hsum((a + b) + (c + d));                                                     \
+            for (; i < n; i++) s += SCALAR(wr[i]) * x[i];                                          \
+            out[r] = s;                                                                            \
+        }                                                                                          \
     }
 
 // ---- the job and the thread pool ----------------------------------------------------------------
@@ -234,9 +259,12 @@ static void gemv(BlockFn dot, const void* w, long elem_bytes, float (*scalar)(co
 // ---- the exported functions: one per weight type ----------------------------------------------
 // x: [m, n] float32; y: [m, out] float32; bias: [out] float32 or NULL; W: [out, n]
 
-#define DEFINE_GEMV(NAME, BLOCK_DOT, W_T, SCALAR)                                                  \
+#define DEFINE_GEMV(NAME, BLOCK_DOT, ROW_DOT, W_T, SCALAR)                                         \
     static void NAME##_block(const void* w, const float* x, float* out, long n) {                  \
-        BLOCK_DOT((const W_T*)w, x, out, n);                                                       \
+        if (n <= SHORT_ROW)                                                                        \
+            ROW_DOT((const W_T*)w, x, out, n);                                                     \
+        else                                                                                       \
+            BLOCK_DOT((const W_T*)w, x, out, n);                                                   \
     }                                                                                              \
     static float NAME##_scalar(const void* w, long i) { return SCALAR(((const W_T*)w)[i]); }      \
     void NAME(const W_T* w, const float* x, const float* bias, float* y, long m, long n, long out, \
@@ -247,7 +275,48 @@ static void gemv(BlockFn dot, const void* w, long elem_bytes, float (*scalar)(co
 DEFINE_BLOCK_DOT(block_dot_f32, float, load_f32, scalar_f32)
 DEFINE_BLOCK_DOT(block_dot_bf16, uint16_t, load_bf16, scalar_bf16)
 DEFINE_BLOCK_DOT(block_dot_f16, _Float16, load_f16, scalar_f16)
+DEFINE_ROW_DOT(row_dot_f32, float, load_f32, scalar_f32)
+DEFINE_ROW_DOT(row_dot_bf16, uint16_t, load_bf16, scalar_bf16)
+DEFINE_ROW_DOT(row_dot_f16, _Float16, load_f16, scalar_f16)
 
-DEFINE_GEMV(kvlab_gemv_f32, block_dot_f32, float, scalar_f32)
-DEFINE_GEMV(kvlab_gemv_bf16, block_dot_bf16, uint16_t, scalar_bf16)
-DEFINE_GEMV(kvlab_gemv_f16, block_dot_f16, _Float16, scalar_f16)
+DEFINE_GEMV(kvlab_gemv_f32, block_dot_f32, row_dot_f32, float, scalar_f32)
+DEFINE_GEMV(kvlab_gemv_bf16, block_dot_bf16, row_dot_bf16, uint16_t, scalar_bf16)
+DEFINE_GEMV(kvlab_gemv_f16, block_dot_f16, row_dot_f16, _Float16, scalar_f16)
+
+// ---- the small ops around the products in a decode step, float32 ------------------------------
+// In PyTorch each is several dispatched kernels of a few microseconds apiece; here, one call.
+
+// y[r] = x[r] / sqrt(mean(x[r]²) + eps) · w, for each of `rows` rows of n (transformers' order)
+void kvlab_rms_norm_f32(const float* x, const float* w, float* y, long rows, long n, float eps) {
+    for (long r = 0; r < rows; r++) {
+        const float* xr = x + r * n;
+        v8f acc = {0};
+        long i = 0;
+        for (; i + 8 <= n; i += 8) {
+            v8f v = load_f32(xr + i);
+            acc += v * v;
+        }
+        float ss = hsum(acc);
+        for (; i < n; i++) ss += xr[i] * xr[i];
+        float inv = 1.0f / sqrtf(ss / (float)n + eps);
+        for (i = 0; i < n; i++) y[r * n + i] = w[i] * (xr[i] * inv);
+    }
+}
+
+// Rotate, in place, `heads` heads of head_dim D in each of `tokens` tokens (token t starts at
+// x + t·token_stride): x[i] ← x[i]·cos[i] + x[(i + D/2) mod D]·signed_sin[i], with the tables' row t.
+void kvlab_rope_f32(float* x, const float* cos, const float* signed_sin, long tokens, long heads, long d,
+                    long token_stride) {
+    float tmp[1024];
+    if (d > 1024) return;  // never called so (gemv.py checks); head dims are 64-256
+    long half = d / 2;
+    for (long t = 0; t < tokens; t++) {
+        const float *c = cos + t * d, *s = signed_sin + t * d;
+        for (long h = 0; h < heads; h++) {
+            float* v = x + t * token_stride + h * d;
+            memcpy(tmp, v, d * sizeof(float));
+            for (long i = 0; i < half; i++) v[i] = tmp[i] * c[i] + tmp[i + half] * s[i];
+            for (long i = half; i < d; i++) v[i] = tmp[i] * c[i] + tmp[i - half] * s[i];
+        }
+    }
+}

@@ -25,10 +25,11 @@ import torch.nn.functional as F
 
 MAX_ROWS = 32  # up to a batched decode step of 32 sequences; prefill-sized inputs go to BLAS
 _SOURCE = Path(__file__).with_name("gemv.c")
-_FLAGS = ["-O3", "-march=native", "-pthread", "-shared", "-fPIC", "-std=gnu11"]
+_FLAGS = ["-O3", "-march=native", "-pthread", "-shared", "-fPIC", "-std=gnu11", "-lm"]
 _NAMES = {torch.float32: "kvlab_gemv_f32", torch.bfloat16: "kvlab_gemv_bf16", torch.float16: "kvlab_gemv_f16"}
 # weight dtype → compiled function; {} until first use, stays {} when disabled or unavailable
 _kernels: dict[torch.dtype, object] = {}
+_ops: dict[str, object] = {}  # the small decode ops (rms_norm, rope), float32 only
 _state = {"enabled": os.environ.get("KVLAB_KERNELS", "1") != "0", "loaded": False, "threads": None}
 
 
@@ -109,6 +110,12 @@ def _load() -> None:
         fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3 + [ctypes.c_int]
         fn.restype = None
         _kernels[dtype] = fn
+    _ops["rms_norm"] = lib.kvlab_rms_norm_f32
+    _ops["rms_norm"].argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 2 + [ctypes.c_float]
+    _ops["rope"] = lib.kvlab_rope_f32
+    _ops["rope"].argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 4
+    for fn in _ops.values():
+        fn.restype = None
 
 
 def gemv_available() -> bool:
@@ -140,3 +147,39 @@ def _gemv(fn, x, weight, bias, rows: int, in_features: int, out_features: int) -
     if x.dtype != torch.float32:
         y = y.to(x.dtype)
     return y.view(*x.shape[:-1], out_features)
+
+
+# ---- the small ops of a decode step ------------------------------------------------------------
+# Each is a handful of PyTorch kernels of a few microseconds apiece; at decode sizes that is most of
+# their time. One C call instead, for float32 rows on a CPU; everything else keeps the PyTorch code.
+
+
+def small_ops_apply(x: torch.Tensor, tokens: int) -> bool:
+    """Whether the C versions of the small ops take a float32 CPU tensor of `tokens` tokens (decode-sized)."""
+    if x.dtype != torch.float32 or x.device.type != "cpu" or not _state["enabled"] or tokens > MAX_ROWS:
+        return False
+    if not _state["loaded"]:
+        _load()
+    return bool(_ops)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / sqrt(mean(x²) + eps) · weight over the last dim (small_ops_apply(x) must hold)."""
+    x = x.contiguous()
+    y = torch.empty_like(x)
+    n = x.shape[-1]
+    _ops["rms_norm"](x.data_ptr(), weight.data_ptr(), y.data_ptr(), x.numel() // n, n, eps)
+    return y
+
+
+def rope_in_place(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> bool:
+    """Rotate x [B, T, heads, D] in place (see model.rope.apply_rotary); False if the layout does not fit."""
+    B, T, heads, D = x.shape
+    if not (x.stride(3) == 1 and x.stride(2) == D and x.stride(0) == T * x.stride(1) and D <= 1024):
+        return False
+    if not (cos.is_contiguous() and signed_sin.is_contiguous() and cos.dtype == torch.float32):
+        return False
+    if cos.shape[0] != B or cos.shape[1] != T:
+        return False
+    _ops["rope"](x.data_ptr(), cos.data_ptr(), signed_sin.data_ptr(), B * T, heads, D, x.stride(1))
+    return True

@@ -11,6 +11,7 @@ import math
 import torch
 
 from kvlab.config import RopeConfig
+from kvlab.kernels.gemv import rope_in_place, small_ops_apply
 
 
 def inverse_frequencies(rope: RopeConfig, head_dim: int) -> tuple[torch.Tensor, float]:
@@ -99,5 +100,11 @@ class RotaryEmbedding(torch.nn.Module):
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [B, T, heads, D]: (x1, x2) → (x1·cos − x2·sin, x2·cos + x1·sin) per channel pair."""
+    """Rotate x [B, T, heads, D]: (x1, x2) → (x1·cos − x2·sin, x2·cos + x1·sin) per channel pair.
+
+    A decode step's float32 rows on a CPU are rotated in place by one C call (the same arithmetic);
+    otherwise a new tensor is returned.
+    """
+    if small_ops_apply(x, x.shape[0] * x.shape[1]) and rope_in_place(x, cos, signed_sin):
+        return x
     return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), signed_sin)
