@@ -34,5 +34,11 @@ test: install-dev
 test-fast: install-dev
 	$(PY) -m pytest -q -m "not real"
 
+# the speed figures in the README: kvlab vs transformers, then the serving engine (minutes, not a test)
+bench: install-dev
+	$(VENV)/bin/kvlab pull $(MODEL)
+	$(PY) benchmarks/bench_core.py --model $(MODEL) --dtype float32 --repeat 5
+	$(PY) benchmarks/bench_serve.py --model $(MODEL) --threads 2 --repeat 3
+
 clean:
 	rm -rf $(VENV) build *.egg-info
