@@ -16,6 +16,7 @@ from kvlab.engine import Engine, EngineConfig, LLMEngine
 from kvlab.kv.cache import ContiguousKVCache
 from kvlab.model.loader import load_model
 from kvlab.output.result import RequestMetrics
+from test_paged import run_all as run_to_completion
 from tiny import ARCHS, build_tiny
 
 pytestmark = [
@@ -50,13 +51,7 @@ def transformers_greedy(ref, ids: list[int], steps: int) -> list[int]:
 
 
 def run_all(engine: LLMEngine, batch: list[list[int]], params=GREEDY) -> list[list[int]]:
-    ids = [engine.add_request(p, params) for p in batch]
-    done = {}
-    while engine.has_unfinished_requests:
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out.output
-    return [done[i].token_ids for i in ids]
+    return run_to_completion(engine, batch, params)  # the CPU tests' helper, with this file's defaults
 
 
 def test_weights_and_cache_live_on_the_device(pair):
