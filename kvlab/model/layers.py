@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvlab.kernels import linear
-from kvlab.kernels.gemv import rms_norm, small_ops_apply
+from kvlab.kernels.gemv import MAX_ROWS, rms_norm, small_ops_apply
 
 
 class RMSNorm(nn.Module):
@@ -54,5 +54,12 @@ class SwiGLU(nn.Module):
         self.down_proj = Linear(intermediate_size, hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)  # [B, T, I] each
+        I = self.intermediate_size
+        if x.device.type == "cpu" and x.numel() // x.shape[-1] > MAX_ROWS:
+            # a prompt on a CPU: two BLAS products over the halves of the matrix ran 4-7% faster than
+            # one twice as wide (SmolLM2, 256 and 1,024 tokens, measured side by side)
+            w = self.gate_up_proj.weight
+            gate, up = F.linear(x, w[:I]), F.linear(x, w[I:])
+        else:  # decode: one streaming pass over the whole matrix
+            gate, up = self.gate_up_proj(x).split(I, dim=-1)  # [B, T, I] each
         return self.down_proj(F.silu(gate) * up)
