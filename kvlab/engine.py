@@ -29,7 +29,7 @@ from kvlab.output.result import RequestOutput
 from kvlab.request import Request, RequestStatus
 from kvlab.runner.memory_plan import KVPoolPlan, plan_kv_pool
 from kvlab.runner.model_runner import ModelRunner
-from kvlab.runner.single import Engine, Session, common_prefix_len, peak_memory_bytes  # noqa: F401
+from kvlab.runner.single import Engine, Session, check_token_ids, common_prefix_len, peak_memory_bytes  # noqa: F401
 from kvlab.sampling.params import SamplingParams
 from kvlab.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from kvlab.stats import STEP_PHASES, EngineStats
@@ -84,8 +84,7 @@ class LLMEngine:
         With `max_tokens`, the prompt and max_tokens must fit together (the server's rule); without it
         generation simply stops at the context's end.
         """
-        if not prompt_ids:
-            raise KvlabError("the prompt is empty: give at least one token")
+        check_token_ids(prompt_ids, self.loaded.config.vocab_size)
         total = len(prompt_ids) + (max_tokens or 1)
         if len(prompt_ids) >= self.max_model_len or total > self.max_model_len:
             asked = f"{len(prompt_ids)} prompt tokens" + (f" + {max_tokens} max_tokens" if max_tokens else "")
@@ -93,10 +92,6 @@ class LLMEngine:
                 f"{asked} do not fit the context of {self.max_model_len} tokens "
                 f"(prompt and answer together): shorten the prompt" + (" or lower max_tokens" if max_tokens else "")
             )
-        vocab = self.loaded.config.vocab_size
-        bad = [t for t in prompt_ids if not (isinstance(t, int) and 0 <= t < vocab)]
-        if bad:
-            raise KvlabError(f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
 
     def add_request(
         self,

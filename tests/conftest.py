@@ -38,3 +38,14 @@ def tiny_llm(tiny_chat_model):
     from kvlab import LLM
 
     return LLM(tiny_chat_model)
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny models gain nothing from threads, and on a shared 2-core machine spinning threads cost 10×+."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

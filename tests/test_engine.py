@@ -11,12 +11,7 @@ from kvlab.output.result import RequestMetrics
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest
 
 
 @pytest.fixture

@@ -21,13 +21,7 @@ GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
 LENGTHS = (5, 17, 33, 1, 40, 9, 16, 23)  # shorter and longer than a block, exactly one, a single token
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models gain nothing from threads, and on a shared 2-core machine spinning threads cost 10×+."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest
 
 
 @pytest.fixture(scope="module", params=ARCHS)

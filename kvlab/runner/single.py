@@ -50,6 +50,15 @@ def peak_memory_bytes(device: torch.device) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
+def check_token_ids(prompt_ids: list[int], vocab_size: int) -> None:
+    """Raise KvlabError for an empty prompt or a token id outside the vocabulary (both engines' rule)."""
+    if not prompt_ids:
+        raise KvlabError("the prompt is empty: give at least one token")
+    bad = [t for t in prompt_ids if not (isinstance(t, int) and 0 <= t < vocab_size)]
+    if bad:
+        raise KvlabError(f"token id {bad[0]} is outside the vocabulary (0..{vocab_size - 1})")
+
+
 class Engine:
     def __init__(self, loaded: LoadedModel, max_model_len: int | None = None, use_cache: bool = True):
         self.loaded = loaded
@@ -77,16 +86,12 @@ class Engine:
         return logits
 
     def check_prompt(self, prompt_ids: list[int]) -> None:
-        if not prompt_ids:
-            raise KvlabError("the prompt is empty: give at least one token")
+        check_token_ids(prompt_ids, self.config.vocab_size)
         if len(prompt_ids) >= self.max_model_len:
             raise KvlabError(
                 f"the prompt is {len(prompt_ids)} tokens; the context holds {self.max_model_len} "
                 f"(prompt and answer together): shorten the prompt"
             )
-        bad = [t for t in prompt_ids if not 0 <= t < self.config.vocab_size]
-        if bad:
-            raise KvlabError(f"token id {bad[0]} is outside the vocabulary (0..{self.config.vocab_size - 1})")
 
     def generate(
         self,
