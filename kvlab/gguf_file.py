@@ -1,4 +1,4 @@
-"""A fast reader for GGUF files: metadata, tensor directory, and tensors dequantized on demand.
+"""The one reader of GGUF files: metadata, tensor directory, and tensors dequantized on demand.
 
 `gguf.GGUFReader` builds one numpy view per array element and takes ~17 s to open a file with a
 151k-token vocabulary; this reader parses the header with `struct` (well under a second) and maps
@@ -40,9 +40,14 @@ class TensorInfo:
 
     @property
     def type_name(self) -> str:
-        import gguf
+        """GGML type: F32, F16, Q4_K, ..."""
+        from gguf import GGMLQuantizationType
 
-        return gguf.GGMLQuantizationType(self.ggml_type).name
+        return GGMLQuantizationType(self.ggml_type).name
+
+    @property
+    def num_elements(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
 
 
 class GGUFFile:
@@ -121,14 +126,17 @@ def _parse(buf: mmap.mmap) -> tuple[dict[str, Any], dict[str, TensorInfo]]:
     data_start = -(-reader.pos // alignment) * alignment
     tensors = {}
     for name, shape, ggml_type, offset in infos:
-        tensors[name] = TensorInfo(name, shape, ggml_type, data_start + offset, _nbytes(shape, ggml_type))
+        tensors[name] = TensorInfo(name, shape, ggml_type, data_start + offset, _nbytes(name, shape, ggml_type))
     return metadata, tensors
 
 
-def _nbytes(shape: tuple[int, ...], ggml_type: int) -> int:
+def _nbytes(name: str, shape: tuple[int, ...], ggml_type: int) -> int:
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-    block_size, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
+    try:
+        block_size, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
+    except (ValueError, KeyError):
+        raise ValueError(f"tensor {name} has unknown GGML type {ggml_type}") from None
     return int(np.prod(shape, dtype=np.int64)) // block_size * type_size
 
 

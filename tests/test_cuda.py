@@ -111,15 +111,14 @@ def test_16_bit_weights_and_cache_on_cuda(tmp_path, dtype):
 
 def test_the_calculators_bytes_are_what_cuda_allocates():
     """Qwen3-0.6B's real cache shape, 512 tokens in bf16: seed 000's 114,688 bytes per token, on the GPU."""
-    from kvlab.config import ModelConfig
-    from kvlab.memory import kv_bytes, load_spec
+    from kvlab.memory import kv_bytes, load_config
 
-    config = ModelConfig.from_hf(json.loads(_bundled("qwen3-0.6b")))
+    config = load_config("qwen3-0.6b")
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     cache = ContiguousKVCache.for_model(config, 512, dtype=torch.bfloat16, device="cuda")
     allocated = torch.cuda.memory_allocated() - before
-    assert allocated == cache.nbytes() == kv_bytes(load_spec("qwen3-0.6b"), context=512, kv_dtype="bfloat16")
+    assert allocated == cache.nbytes() == kv_bytes(load_config("qwen3-0.6b"), context=512, kv_dtype="bfloat16")
     assert cache.bytes_per_token() == 114_688
     del cache
 

@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
-from kvlab.config import ModelConfig
 from kvlab.kv.cache import ContiguousKVCache
-from kvlab.memory import kv_bytes, kv_bytes_per_token, load_spec
+from kvlab.memory import kv_bytes, kv_bytes_per_token, load_config
 from tiny import build_tiny
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -19,23 +16,19 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 @pytest.mark.parametrize("dtype", list(DTYPES))
 def test_tiny_model_caches_match_the_calculator(tmp_path, kind, dtype):
     directory = build_tiny(kind, tmp_path)
-    spec = load_spec(directory)
-    config = ModelConfig.from_hf_dir(directory)
+    config = load_config(directory)
     for tokens, batch in [(1, 1), (77, 1), (512, 3)]:
         cache = ContiguousKVCache.for_model(config, tokens, batch_size=batch, dtype=DTYPES[dtype])
-        assert kv_bytes(spec, context=tokens, batch=batch, kv_dtype=dtype) == cache.nbytes()
-    assert kv_bytes_per_token(spec, kv_dtype=dtype) == cache.bytes_per_token()
+        assert kv_bytes(config, context=tokens, batch=batch, kv_dtype=dtype) == cache.nbytes()
+    assert kv_bytes_per_token(config, kv_dtype=dtype) == cache.bytes_per_token()
 
 
 @pytest.mark.parametrize("name", ["qwen3-0.6b", "qwen2.5-0.5b", "qwen2.5-7b", "qwen2.5-coder-0.5b-instruct"])
 def test_bundled_configs_match_an_allocated_cache(name):
     """The seeds' models, with their real shapes, on the meta device (no memory is touched)."""
-    from importlib.resources import files
-
-    cfg = json.loads(files("kvlab.configs").joinpath(f"{name}.json").read_text())
-    config = ModelConfig.from_hf(cfg)
+    config = load_config(name)
     cache = ContiguousKVCache.for_model(config, 512, dtype=torch.bfloat16, device="meta")
-    assert kv_bytes(load_spec(name), context=512, kv_dtype="bfloat16") == cache.nbytes()
+    assert kv_bytes(config, context=512, kv_dtype="bfloat16") == cache.nbytes()
     if name == "qwen3-0.6b":  # seed 000: 29,360,128 numbers for 512 tokens, 112 KiB per token
         assert cache.numel() == 29_360_128 and cache.bytes_per_token() == 114_688
 
@@ -43,10 +36,7 @@ def test_bundled_configs_match_an_allocated_cache(name):
 @pytest.mark.real
 @pytest.mark.parametrize("name", ["smollm2-135m", "qwen2.5-coder-0.5b"])
 def test_real_gguf_cache_matches_the_calculator(real_model, name):
-    from kvlab.gguf_file import GGUFFile
-
     path = real_model(name)
-    gguf = GGUFFile(path)
-    config = ModelConfig.from_gguf(gguf.metadata, {n: t.shape for n, t in gguf.tensors.items()})
+    config = load_config(path)
     cache = ContiguousKVCache.for_model(config, 1024, dtype=torch.float32, device="meta")
-    assert kv_bytes(load_spec(path), context=1024, kv_dtype="float32") == cache.nbytes()
+    assert kv_bytes(config, context=1024, kv_dtype="float32") == cache.nbytes()

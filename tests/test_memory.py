@@ -13,7 +13,7 @@ import pytest
 
 from kvlab.errors import KvlabError
 from kvlab.memory import (
-    bundled_names, count_params, kv_bytes, kv_bytes_per_token, load_spec, pairs_with_cache,
+    bundled_names, count_params, kv_bytes, kv_bytes_per_token, load_config, pairs_with_cache,
     pairs_without_cache, params_bytes, state_bytes, weight_bytes, window_bytes_per_token,
 )
 from kvlab.memory.fit import Query, estimate, total_bytes, workspace_bytes
@@ -36,7 +36,7 @@ def llama_like(layers: int, heads: int, kv_heads: int, hidden: int, **extra) -> 
 # --------------------------------------------------------------------------- the seeds' figures
 
 def test_qwen3_06b_seed_figures():
-    spec = load_spec("qwen3-0.6b")
+    spec = load_config("qwen3-0.6b")
     # 28 layers x 2 (K, V) x 8 KV heads x 128 (explicit head_dim, not 1024/16) x 2 bytes
     assert kv_bytes_per_token(spec, "bfloat16") == 114_688 == 112 * KIB
     # the K tensor of each layer is [1, 8, 512, 128]: 28 x 2 x 8 x 512 x 128 numbers
@@ -49,15 +49,15 @@ def test_qwen3_06b_seed_figures():
 
 @pytest.mark.parametrize("name, kib", [("qwen2.5-0.5b", 12), ("qwen2.5-7b", 56), ("qwen2.5-72b", 320)])
 def test_qwen25_seed_kib_per_token(name, kib):
-    assert kv_bytes_per_token(load_spec(name), "bfloat16") == kib * KIB
+    assert kv_bytes_per_token(load_config(name), "bfloat16") == kib * KIB
 
 
 def test_qwen25_72b_at_32k_is_10_gib():
-    assert kv_bytes(load_spec("qwen2.5-72b"), 32_768) == 10 * GIB
+    assert kv_bytes(load_config("qwen2.5-72b"), 32_768) == 10 * GIB
 
 
 def test_deepseek_v3_mla_numbers_per_token():
-    spec = load_spec("deepseek-v3")
+    spec = load_config("deepseek-v3")
     # one latent (kv_lora_rank 512) + one shared RoPE key (64) per token per layer, 61 layers, no V
     assert kv_bytes_per_token(spec, "bfloat16") == 61 * (512 + 64) * 2
     assert kv_bytes_per_token(spec, "fp8") == 61 * (512 + 64)
@@ -69,7 +69,7 @@ def test_deepseek_v3_mla_numbers_per_token():
 @pytest.mark.parametrize("kv_heads, context, gib", [(8, 8192, 1), (8, 65536, 8), (32, 8192, 4), (32, 65536, 32)])
 def test_seed_004_examples(kv_heads, context, gib):
     # 2 x L=32 x B=1 x S x Hkv x D=128 x b=2
-    spec = load_spec(llama_like(32, 32, kv_heads, 4096))
+    spec = load_config(llama_like(32, 32, kv_heads, 4096))
     assert kv_bytes(spec, context, 1, "bfloat16") == gib * GIB
 
 
@@ -135,7 +135,7 @@ HAND_CHECKED = [
 
 @pytest.mark.parametrize("name, growing, sliding, window, state", HAND_CHECKED, ids=[h[0] for h in HAND_CHECKED])
 def test_bundled_config_by_hand(name, growing, sliding, window, state):
-    spec = load_spec(name)
+    spec = load_config(name)
     assert kv_bytes_per_token(spec, "bfloat16") == growing
     assert window_bytes_per_token(spec, "bfloat16") == sliding
     assert state_bytes(spec) == state
@@ -151,25 +151,25 @@ def test_hand_checked_covers_every_bundled_config():
 
 def test_gpt_oss_at_full_context():
     # 24,576 x 131,072 + 3 MiB of sliding cache = 3,224,371,200 B
-    assert kv_bytes(load_spec("gpt-oss-20b"), 131_072) == 3_224_371_200
+    assert kv_bytes(load_config("gpt-oss-20b"), 131_072) == 3_224_371_200
 
 
 def test_gemma3_class_defaults_are_noted():
-    spec = load_spec("gemma-3-27b")
-    assert spec.max_context == 131_072
+    spec = load_config("gemma-3-27b")
+    assert spec.max_position_embeddings == 131_072
     assert [i for i, layer in enumerate(spec.layers) if layer.label == "full_attention"] == list(range(5, 62, 6))
     assert any("class default" in note for note in spec.notes)
 
 
 def test_state_dtype_override():
-    spec = load_spec("qwen3.5-9b")
+    spec = load_config("qwen3.5-9b")
     # everything in bf16: (24,576 + 524,288) x 2 B per layer, 24 layers
     assert state_bytes(spec, 1, state_dtype="bfloat16") == 24 * 1_097_728
     assert state_bytes(spec, 3) == 3 * 24 * 2_146_304
 
 
 def test_kv_dtypes_scale_the_cache():
-    spec = load_spec("qwen3-0.6b")
+    spec = load_config("qwen3-0.6b")
     assert kv_bytes_per_token(spec, "float32") == 2 * 114_688
     assert kv_bytes_per_token(spec, "fp8") == kv_bytes_per_token(spec, "int8") == 114_688 // 2
     assert kv_bytes_per_token(spec, "int4") == 114_688 // 4
@@ -180,7 +180,7 @@ def test_kv_dtypes_scale_the_cache():
 
 
 def test_batch_multiplies_and_windows_cap():
-    spec = load_spec("gpt-oss-20b")
+    spec = load_config("gpt-oss-20b")
     assert kv_bytes(spec, 1000, 4) == 4 * kv_bytes(spec, 1000, 1)
     assert kv_bytes(spec, 100) == 100 * 24 * 2_048  # under the window every layer grows
     assert kv_bytes(spec, 129) - kv_bytes(spec, 128) == 12 * 2_048  # past it only full layers do
@@ -189,7 +189,7 @@ def test_batch_multiplies_and_windows_cap():
 @pytest.mark.parametrize("context, batch", [(0, 1), (-5, 1), (10, 0), (2**41, 1), (10, -1)])
 def test_absurd_sizes_refused(context, batch):
     with pytest.raises(KvlabError, match="out of range"):
-        kv_bytes(load_spec("qwen3-0.6b"), context, batch)
+        kv_bytes(load_config("qwen3-0.6b"), context, batch)
 
 
 # ------------------------------------------------------------------------ weights and formats
@@ -219,21 +219,21 @@ def test_gguf_mixes_are_refused():
 
 def test_param_counts():
     # Qwen2.5-0.5B: 24 x 14,912,384 per layer + 151,936 x 896 tied embedding + 896 final norm
-    assert count_params(load_spec("qwen2.5-0.5b")).total == 494_032_768
+    assert count_params(load_config("qwen2.5-0.5b")).total == 494_032_768
     # Qwen3-0.6B, tied: 596,049,920 (transformers' own count on the meta device)
-    assert count_params(load_spec("qwen3-0.6b")).total == 596_049_920
+    assert count_params(load_config("qwen3-0.6b")).total == 596_049_920
     # gpt-oss-20b: 20.9B in total, 3.6B active (OpenAI's figures)
-    params = count_params(load_spec("gpt-oss-20b"))
+    params = count_params(load_config("gpt-oss-20b"))
     assert params.total == 20_914_757_184
     assert round(params.active / 1e9, 1) == 3.6
     # DeepSeek-V3: 671B in total, about 37B active
-    params = count_params(load_spec("deepseek-v3"))
+    params = count_params(load_config("deepseek-v3"))
     assert round(params.total / 1e9) == 671
     assert 36e9 < params.active < 38e9
 
 
 def test_weight_bytes_formats():
-    spec = load_spec("qwen2.5-0.5b")
+    spec = load_config("qwen2.5-0.5b")
     params = count_params(spec)
     assert weight_bytes(spec).bytes == params.total * 2  # bfloat16 as the config says
     q4k = weight_bytes(spec, "q4_k")
@@ -243,8 +243,8 @@ def test_weight_bytes_formats():
 
 
 def test_checkpoint_quantization_from_config():
-    params = count_params(load_spec("gpt-oss-20b"))
-    w = weight_bytes(load_spec("gpt-oss-20b"))  # MXFP4 experts (4.25 bits), the rest bf16
+    params = count_params(load_config("gpt-oss-20b"))
+    w = weight_bytes(load_config("gpt-oss-20b"))  # MXFP4 experts (4.25 bits), the rest bf16
     assert w.bytes == math.ceil((params.experts * Fraction(17, 4) + (params.total - params.experts) * 16) / 8)
     assert round(w.bytes / 1e9, 1) == 13.8  # the size of the published checkpoint
 
@@ -253,13 +253,13 @@ def test_checkpoint_quantization_from_config():
 
 def test_workspace_formula_qwen3():
     # 2,048 tokens x (2 x 1,024 hidden + widest 2 x 3,072 gate/up) x 2 B + 151,936 logits x 4 B
-    assert workspace_bytes(load_spec("qwen3-0.6b"), 40_960, 1) == 2048 * (2048 + 6144) * 2 + 151_936 * 4
+    assert workspace_bytes(load_config("qwen3-0.6b"), 40_960, 1) == 2048 * (2048 + 6144) * 2 + 151_936 * 4
 
 
 @pytest.mark.parametrize("name, context", [("qwen3-0.6b", 40_960), ("gpt-oss-20b", 4096), ("qwen3.5-9b", 65_536),
                                            ("nemotron-h-56b", 8192)])
 def test_max_batch_and_context_are_tight(name, context):
-    spec = load_spec(name)
+    spec = load_config(name)
     q = Query(context=context, batch=2, device_bytes=parse_size("141GiB"), utilization=0.9)
     r = estimate(spec, q)
     usable, w = r.usable_bytes, r.weight_bytes
@@ -271,14 +271,14 @@ def test_max_batch_and_context_are_tight(name, context):
 
 
 def test_sliding_only_model_has_unbounded_context():
-    spec = load_spec(llama_like(4, 8, 2, 512, model_type="mistral", sliding_window=4096))
+    spec = load_config(llama_like(4, 8, 2, 512, model_type="mistral", sliding_window=4096))
     r = estimate(spec, Query(context=8192, device_bytes=parse_size("80GiB")))
     assert r.context_unbounded and r.max_context is None
     assert r.kv_bytes_per_token == 0 and r.window_bytes_per_token == 4 * 2 * 2 * 64 * 2
 
 
 def test_report_json_has_the_required_keys():
-    r = estimate(load_spec("qwen3.5-9b"), Query(context=1000, batch=2))
+    r = estimate(load_config("qwen3.5-9b"), Query(context=1000, batch=2))
     j = r.to_json()
     for key in ("kv_bytes_per_token", "kv_bytes", "state_bytes", "weight_bytes", "total_bytes", "layer_kinds"):
         assert key in j

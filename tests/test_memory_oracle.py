@@ -12,9 +12,9 @@ import json
 
 import pytest
 
-from kvlab.memory import count_params, kv_bytes, load_spec, state_bytes, state_numbers
+from kvlab.memory import count_params, kv_bytes, load_config, state_bytes, state_numbers
 from kvlab.memory.kv import numbers_per_token, window_of
-from kvlab.memory.sources import bundled_dir
+from kvlab.config import bundled_dir
 
 pytestmark = pytest.mark.slow  # about 20 s: builds tiny transformers models
 
@@ -79,13 +79,13 @@ def state_tensor_bytes(cache) -> int:
 def test_full_attention_cache_is_exact(kind, batch, tokens, dtype):
     config = tiny(kind)
     cache = run_cache(config, batch, tokens, dtype)
-    assert kv_tensor_bytes(cache) == kv_bytes(load_spec(config.to_dict()), tokens, batch, dtype)
+    assert kv_tensor_bytes(cache) == kv_bytes(load_config(config.to_dict()), tokens, batch, dtype)
 
 
 @pytest.mark.parametrize("kind", ["mistral", "gemma3_text", "gpt_oss"])
 def test_sliding_window_cache(kind):
     config = tiny(kind)
-    spec = load_spec(config.to_dict())
+    spec = load_config(config.to_dict())
     assert any(window_of(layer.mixer) == 8 for layer in spec.layers)
     # under the window every layer holds every token
     assert kv_tensor_bytes(run_cache(config, 2, 6)) == kv_bytes(spec, 6, 2, "float32")
@@ -97,7 +97,7 @@ def test_sliding_window_cache(kind):
 @pytest.mark.parametrize("kind", ["qwen3_next", "nemotron_h"])
 def test_constant_state_shapes(kind):
     config = tiny(kind)
-    spec = load_spec(config.to_dict())
+    spec = load_config(config.to_dict())
     cache = run_cache(config, 2, 9)
     assert kv_tensor_bytes(cache) == kv_bytes(spec, 9, 2, "float32")
     # transformers keeps one more conv input (kernel instead of kernel - 1) per channel
@@ -118,7 +118,7 @@ def test_param_count_matches_transformers(name):
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config)
     theirs = sum(p.numel() for p in model.parameters())
-    ours = count_params(load_spec(name)).total
+    ours = count_params(load_config(name)).total
     # DeepSeek-V3's routing correction bias (256 per MoE layer, 58 layers) is a buffer in transformers
     # but a tensor of the checkpoint; we count it
     assert ours - theirs == (58 * 256 if name == "deepseek-v3" else 0)

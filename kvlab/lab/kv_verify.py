@@ -20,8 +20,7 @@ from kvlab.config import ModelConfig
 from kvlab.kv.cache import ContiguousKVCache
 from kvlab.lab.common import Lab, forward
 from kvlab.lab.report import held, md_table, num
-from kvlab.memory import kv_bytes, kv_bytes_per_token, load_spec
-from kvlab.memory.sources import bundled_dir, read_json
+from kvlab.memory import kv_bytes, kv_bytes_per_token, load_config
 
 NAME = "kv-verify"
 TITLE = "KV cache size: real tensors against the formula"
@@ -78,7 +77,7 @@ def formula_numbers(config: ModelConfig, tokens: int, batch: int = 1) -> int:
 def run(lab: Lab) -> KvVerifyResult:
     c, dtype = lab.config, lab.model.dtype
     context, notes = lab.capped(CONTEXT, QUICK_CONTEXT)
-    spec = load_spec(lab.loaded.path)
+    spec = load_config(lab.loaded.path)
     cache = lab.new_cache(context)
     forward(lab.model, cache, lab.prompt(context))
     size = dtype.itemsize
@@ -109,8 +108,7 @@ def run(lab: Lab) -> KvVerifyResult:
 
 
 def seed_model(name: str) -> SeedModel:
-    config = ModelConfig.from_hf(read_json(bundled_dir() / f"{name}.json"))
-    spec = load_spec(name)
+    config = spec = load_config(name)  # one description: the engine's cache and the calculator read the same
     cache = ContiguousKVCache.for_model(config, 512, dtype=torch.bfloat16, device="meta")
     per_token = kv_bytes_per_token(spec, "bfloat16")
     equal = cache.numel() == formula_numbers(config, 512) and cache.nbytes() == kv_bytes(spec, 512, kv_dtype="bfloat16")

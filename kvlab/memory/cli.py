@@ -19,7 +19,7 @@ from kvlab.memory.fit import PREFILL_CHUNK, Query, estimate
 from kvlab.memory.kv import kv_bytes_per_token, resolve_kv_dtype, state_bytes, window_bytes_per_token
 from kvlab.memory.pairs import pairs_with_cache, pairs_without_cache
 from kvlab.memory.report import render, render_list, render_pairs
-from kvlab.memory.sources import bundled_names, load_spec
+from kvlab.config import bundled_names, load_config
 from kvlab.memory.units import KV_DTYPE_BITS, parse_size
 from kvlab.memory.weights import count_params
 
@@ -72,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
     if args.pairs:
         n, m = (_int(v, "--pairs") for v in args.pairs)
         pairs = {"n": n, "m": m, "with_cache": pairs_with_cache(n, m), "without_cache": pairs_without_cache(n, m)}
-    specs = [load_spec(name) for name in args.models]
+    specs = [load_config(name) for name in args.models]
     if args.mtp:
         specs = [spec.with_mtp() for spec in specs]
     base = Query(
@@ -90,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
     if args.plot and specs:
         from kvlab.memory.plot import plot_kv
 
-        top = max([context or 0] + [s.max_context or 0 for s in specs]) or 131072
+        top = max([context or 0] + [s.max_position_embeddings or 0 for s in specs]) or 131072
         plot_kv(specs, args.plot, batch=base.batch, top_context=top, device_bytes=base.device_bytes,
                 kv_dtypes=[resolve_kv_dtype(s, base.kv_dtype) for s in specs])
     if args.json:
@@ -107,9 +107,9 @@ def run(args: argparse.Namespace) -> int:
 
 def _query(base: Query, spec, context: int | None) -> Query:
     if context is None:
-        if not spec.max_context:
+        if not spec.max_position_embeddings:
             raise KvlabError(f"{spec.name}: the config gives no context length; pass --context")
-        context = spec.max_context
+        context = spec.max_position_embeddings
     return dataclasses.replace(base, context=context)
 
 
@@ -127,7 +127,7 @@ def list_entries() -> list[dict]:
     """One summary per bundled config, KV in bfloat16."""
     entries = []
     for name in bundled_names():
-        spec = load_spec(name)
+        spec = load_config(name)
         params = count_params(spec)
         entries.append({
             "name": name,
@@ -136,7 +136,7 @@ def list_entries() -> list[dict]:
             "kv_bytes_per_token": kv_bytes_per_token(spec, "bfloat16"),
             "window_bytes_per_token": window_bytes_per_token(spec, "bfloat16"),
             "state_bytes": state_bytes(spec),
-            "max_context": spec.max_context,
+            "max_context": spec.max_position_embeddings,
             "params": params.total if params else None,
         })
     return entries

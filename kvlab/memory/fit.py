@@ -20,7 +20,7 @@ from kvlab.memory.kv import (
     MAX_BATCH, MAX_CONTEXT, KindUsage, breakdown, check_sizes, kv_bytes, kv_bytes_per_token,
     resolve_kv_dtype, state_bytes, window_bytes_per_token,
 )
-from kvlab.memory.spec import MLA, Attention, DenseMLP, GatedDeltaNet, Mamba2, ModelSpec, MoE
+from kvlab.config import MLA, Attention, DenseMLP, GatedDeltaNet, Mamba2, ModelConfig, MoE
 from kvlab.memory.units import kv_dtype_bits
 from kvlab.memory.weights import weight_bytes
 
@@ -95,7 +95,7 @@ class MemoryReport:
         }
 
 
-def widest_activation(spec: ModelSpec) -> int:
+def widest_activation(spec: ModelConfig) -> int:
     """Numbers per token of the widest transient output any layer produces (q/k/v, gate+up, in_proj)."""
     widest = spec.hidden_size
     for layer in spec.layers:
@@ -116,7 +116,7 @@ def widest_activation(spec: ModelSpec) -> int:
     return widest
 
 
-def workspace_bytes(spec: ModelSpec, context: int, batch: int, chunk: int = PREFILL_CHUNK) -> int:
+def workspace_bytes(spec: ModelConfig, context: int, batch: int, chunk: int = PREFILL_CHUNK) -> int:
     """Activation allowance: tokens in flight x (residual + normed input + widest output) in the
     model dtype, plus float32 logits for the last position of each sequence."""
     tokens = min(batch * context, max(chunk, batch))  # a prefill chunk, or one token per sequence
@@ -126,18 +126,18 @@ def workspace_bytes(spec: ModelSpec, context: int, batch: int, chunk: int = PREF
     return int(activations) + logits
 
 
-def total_bytes(spec: ModelSpec, q: Query, weights: int, context: int, batch: int) -> int:
+def total_bytes(spec: ModelConfig, q: Query, weights: int, context: int, batch: int) -> int:
     """Everything resident for `batch` sequences of `context` tokens."""
     return (weights + workspace_bytes(spec, context, batch, q.prefill_chunk)
             + kv_bytes(spec, context, batch, q.kv_dtype) + state_bytes(spec, batch, q.state_dtype))
 
 
-def max_batch(spec: ModelSpec, q: Query, weights: int, usable: int) -> int:
+def max_batch(spec: ModelConfig, q: Query, weights: int, usable: int) -> int:
     """Most sequences of q.context tokens that fit in `usable` bytes (0 if not even one)."""
     return _largest(lambda b: total_bytes(spec, q, weights, q.context, b) <= usable, MAX_BATCH)
 
 
-def max_context(spec: ModelSpec, q: Query, weights: int, usable: int) -> int | None:
+def max_context(spec: ModelConfig, q: Query, weights: int, usable: int) -> int | None:
     """Longest context for q.batch sequences that fits; None when memory never limits it."""
     fits = lambda s: total_bytes(spec, q, weights, s, q.batch) <= usable  # noqa: E731
     if fits(MAX_CONTEXT):
@@ -159,7 +159,7 @@ def _largest(ok, top: int) -> int:
     return lo
 
 
-def estimate(spec: ModelSpec, q: Query) -> MemoryReport:
+def estimate(spec: ModelConfig, q: Query) -> MemoryReport:
     """The full answer for one model: KV, states, weights, workspace, total, and the fit."""
     check_sizes(context=q.context, batch=q.batch)
     if not 0 < q.utilization <= 1:
@@ -177,8 +177,8 @@ def estimate(spec: ModelSpec, q: Query) -> MemoryReport:
         extra = kv_bytes_per_token(spec.with_mtp(), kv_dtype) - kv_bytes_per_token(spec, kv_dtype)
         notes.append(f"the config has {len(spec.mtp_layers)} MTP layer(s), not counted: --mtp adds "
                      f"{extra:,} B per token and their weights")
-    if spec.max_context and q.context > spec.max_context:
-        notes.append(f"context {q.context:,} is beyond the model's trained {spec.max_context:,} tokens")
+    if spec.max_position_embeddings and q.context > spec.max_position_embeddings:
+        notes.append(f"context {q.context:,} is beyond the model's trained {spec.max_position_embeddings:,} tokens")
     usable = fits = best_batch = best_context = None
     unbounded = not any(layer.mixer is not None and getattr(layer.mixer, "window", None) is None
                         and layer.mixer.kind in ("attention", "mla") for layer in spec.layers)
@@ -190,9 +190,9 @@ def estimate(spec: ModelSpec, q: Query) -> MemoryReport:
             fits = total <= usable
             best_batch = max_batch(spec, q, w.bytes, usable)
             best_context = max_context(spec, q, w.bytes, usable)
-            if best_context and spec.max_context and best_context > spec.max_context:
+            if best_context and spec.max_position_embeddings and best_context > spec.max_position_embeddings:
                 notes.append(f"memory allows {best_context:,} tokens, but the model was trained for "
-                             f"{spec.max_context:,}")
+                             f"{spec.max_position_embeddings:,}")
     params = w.params
     return MemoryReport(
         name=spec.name, architecture=spec.architecture, source=spec.source, query=q, kv_dtype=kv_dtype,
@@ -205,5 +205,5 @@ def estimate(spec: ModelSpec, q: Query) -> MemoryReport:
         workspace_bytes=workspace, total_bytes=total,
         kinds=tuple(breakdown(spec, q.context, q.batch, kv_dtype, q.state_dtype)),
         usable_bytes=usable, fits=fits, max_batch=best_batch, max_context=best_context,
-        context_unbounded=unbounded, max_context_model=spec.max_context, notes=tuple(notes),
+        context_unbounded=unbounded, max_context_model=spec.max_position_embeddings, notes=tuple(notes),
     )

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 
 from kvlab.errors import KvlabError
-from kvlab.memory.spec import MLA, Attention, GatedDeltaNet, Mamba2, Mixer, ModelSpec
+from kvlab.config import MLA, Attention, GatedDeltaNet, Mamba2, Mixer, ModelConfig
 from kvlab.memory.units import canonical_dtype, ceil_bytes, kv_dtype_bits
 
 MAX_CONTEXT = 2**40  # tokens; a guard against typos, far beyond any model
@@ -57,7 +57,7 @@ def state_numbers(mixer: Mixer | None) -> tuple[int, int]:
     return 0, 0
 
 
-def resolve_kv_dtype(spec: ModelSpec, kv_dtype: object) -> str:
+def resolve_kv_dtype(spec: ModelConfig, kv_dtype: object) -> str:
     """'auto' (or None) means the model's own dtype; anything else is checked and normalised."""
     if kv_dtype is None or str(kv_dtype).lower() == "auto":
         return spec.dtype
@@ -65,7 +65,7 @@ def resolve_kv_dtype(spec: ModelSpec, kv_dtype: object) -> str:
     return canonical_dtype(kv_dtype)
 
 
-def kv_bytes_per_token(spec: ModelSpec, kv_dtype: object = "bfloat16") -> int:
+def kv_bytes_per_token(spec: ModelConfig, kv_dtype: object = "bfloat16") -> int:
     """Bytes one more token adds to one sequence's cache in the layers whose cache keeps growing.
 
     That is every full-attention and MLA layer. Sliding-window layers stop growing at their window:
@@ -76,14 +76,14 @@ def kv_bytes_per_token(spec: ModelSpec, kv_dtype: object = "bfloat16") -> int:
     return ceil_bytes(numbers * bits)
 
 
-def window_bytes_per_token(spec: ModelSpec, kv_dtype: object = "bfloat16") -> int:
+def window_bytes_per_token(spec: ModelConfig, kv_dtype: object = "bfloat16") -> int:
     """Bytes per token of the sliding-window layers, paid only until each window is full."""
     bits = kv_dtype_bits(resolve_kv_dtype(spec, kv_dtype))
     numbers = sum(numbers_per_token(layer.mixer) for layer in spec.layers if window_of(layer.mixer))
     return ceil_bytes(numbers * bits)
 
 
-def kv_bytes(spec: ModelSpec, context: int, batch: int = 1, kv_dtype: object = "bfloat16") -> int:
+def kv_bytes(spec: ModelConfig, context: int, batch: int = 1, kv_dtype: object = "bfloat16") -> int:
     """Bytes of a cache holding `context` tokens for each of `batch` sequences, sliding windows capped.
 
     Intrinsic bytes: no block rounding, no engine reserve. Constant states are in `state_bytes`.
@@ -94,7 +94,7 @@ def kv_bytes(spec: ModelSpec, context: int, batch: int = 1, kv_dtype: object = "
     return ceil_bytes(numbers * bits * batch)
 
 
-def state_bytes(spec: ModelSpec, batch: int = 1, state_dtype: object = None) -> int:
+def state_bytes(spec: ModelConfig, batch: int = 1, state_dtype: object = None) -> int:
     """Bytes of the constant per-sequence states (linear attention, Mamba-2) for `batch` sequences.
 
     With state_dtype None the conv state is in the model dtype and the SSM state in the dtype the
@@ -110,7 +110,7 @@ def state_bytes(spec: ModelSpec, batch: int = 1, state_dtype: object = None) -> 
     return ceil_bytes(total * batch)
 
 
-def _state_bits(spec: ModelSpec, mixer: Mixer, state_dtype: object) -> tuple[Fraction, Fraction]:
+def _state_bits(spec: ModelConfig, mixer: Mixer, state_dtype: object) -> tuple[Fraction, Fraction]:
     if state_dtype is None or str(state_dtype).lower() == "auto":
         state_dtype = spec.state_dtype
     if state_dtype is not None:
@@ -143,7 +143,7 @@ class KindUsage:
     state_bytes: int  # constant states, for the batch
 
 
-def breakdown(spec: ModelSpec, context: int, batch: int = 1, kv_dtype: object = "bfloat16",
+def breakdown(spec: ModelConfig, context: int, batch: int = 1, kv_dtype: object = "bfloat16",
               state_dtype: object = None) -> list[KindUsage]:
     """Per-kind rows: layers grouped by label and geometry, in order of first appearance."""
     groups: dict[tuple, list] = {}
@@ -166,5 +166,5 @@ def breakdown(spec: ModelSpec, context: int, batch: int = 1, kv_dtype: object = 
     return rows
 
 
-def _subspec(spec: ModelSpec, layers: list) -> ModelSpec:
+def _subspec(spec: ModelConfig, layers: list) -> ModelConfig:
     return dataclasses.replace(spec, layers=tuple(layers))

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from kvlab.errors import KvlabError
 from kvlab.memory.kv import kv_bytes, state_bytes
-from kvlab.memory.spec import ModelSpec
+from kvlab.config import ModelConfig
 from kvlab.memory.units import GIB, fmt_bytes
 
 MIN_CONTEXT = 128
@@ -23,7 +23,7 @@ def context_points(top: int, count: int = 64) -> list[int]:
     return points
 
 
-def plot_kv(specs: list[ModelSpec], path: str | Path, *, batch: int = 1, kv_dtypes: list[str],
+def plot_kv(specs: list[ModelConfig], path: str | Path, *, batch: int = 1, kv_dtypes: list[str],
             top_context: int, device_bytes: int | None = None) -> Path:
     """Write a log-log PNG of KV + state bytes for `batch` sequences against context length."""
     try:
@@ -43,7 +43,7 @@ def plot_kv(specs: list[ModelSpec], path: str | Path, *, batch: int = 1, kv_dtyp
         state = state_bytes(spec, batch)
         ys = [(kv_bytes(spec, x, batch, dtype) + state) / GIB for x in xs]
         label = f"{spec.name} ({dtype})" + (f", incl. {fmt_bytes(state)} state" if state else "")
-        limit = spec.max_context or xs[-1]
+        limit = spec.max_position_embeddings or xs[-1]
         inside = [(x, y) for x, y in zip(xs, ys) if x <= limit]
         (line,) = ax.plot(*zip(*inside), label=label, linewidth=1.8)
         outside = [(x, y) for x, y in zip(xs, ys) if x >= inside[-1][0]]

@@ -10,6 +10,7 @@ import math
 import re
 from fractions import Fraction
 
+from kvlab.config.dtypes import canonical_dtype  # noqa: F401  (part of this module's API)
 from kvlab.errors import KvlabError
 
 KIB, MIB, GIB, TIB = 2**10, 2**20, 2**30, 2**40
@@ -28,12 +29,6 @@ KV_DTYPE_BITS: dict[str, Fraction] = {
     "q4_0": Fraction(18 * 8, 32),
 }
 
-_DTYPE_ALIASES = {
-    "fp32": "float32", "f32": "float32", "float": "float32",
-    "bf16": "bfloat16",
-    "fp16": "float16", "f16": "float16", "half": "float16",
-    "float8": "fp8", "fp8_e4m3": "fp8", "fp8_e5m2": "fp8", "float8_e4m3fn": "fp8", "float8_e5m2": "fp8",
-}
 
 # --- GGUF block types: (numbers per block, bytes per block), as in ggml's type traits ------------------
 GGUF_BLOCKS: dict[str, tuple[int, int]] = {
@@ -69,12 +64,6 @@ WEIGHT_FORMAT_BITS.update({name.lower(): Fraction(b * 8, n) for name, (n, b) in 
 
 # GGUF "file types" are mixes of several block types: no single width describes them
 _GGUF_MIXES = re.compile(r"^q\d_k_(s|m|l|xs|xl)$|^iq\d")
-
-
-def canonical_dtype(name: object) -> str:
-    """Normalise a dtype name ('bf16', 'torch.float16', a torch.dtype) to this module's spelling."""
-    text = str(name).strip().lower().removeprefix("torch.")
-    return _DTYPE_ALIASES.get(text, text)
 
 
 def kv_dtype_bits(name: object) -> Fraction:

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from fractions import Fraction
 
 from kvlab.errors import KvlabError
-from kvlab.memory.spec import (
-    MLA, Attention, DenseMLP, GatedDeltaNet, Layer, Mamba2, ModelSpec, MoE, ParamCounts,
+from kvlab.config import (
+    MLA, Attention, DenseMLP, GatedDeltaNet, Layer, Mamba2, ModelConfig, MoE, ParamCounts,
 )
 from kvlab.memory.units import ceil_bytes, kv_dtype_bits, weight_format_bits
 
@@ -96,7 +96,7 @@ def layer_params(layer: Layer, hidden: int) -> _Parts:
     return parts
 
 
-def count_params(spec: ModelSpec) -> ParamCounts | None:
+def count_params(spec: ModelConfig) -> ParamCounts | None:
     """Parameters by role; exact from a GGUF file's tensors when it has them, else from the layers.
 
     Returns None when the description lacks the vocabulary size (no embedding count possible).
@@ -109,7 +109,7 @@ def count_params(spec: ModelSpec) -> ParamCounts | None:
     for layer in spec.layers:
         total += layer_params(layer, spec.hidden_size)
     embedding = spec.vocab_size * spec.hidden_size
-    return ParamCounts(embedding=embedding, lm_head=0 if spec.tie_embeddings else embedding, **total.__dict__)
+    return ParamCounts(embedding=embedding, lm_head=0 if spec.tie_word_embeddings else embedding, **total.__dict__)
 
 
 @dataclass(frozen=True)
@@ -129,7 +129,7 @@ def params_bytes(params: int, fmt: str) -> int:
     return ceil_bytes(params * weight_format_bits(fmt))
 
 
-def weight_bytes(spec: ModelSpec, fmt: str = "auto") -> WeightEstimate:
+def weight_bytes(spec: ModelConfig, fmt: str = "auto") -> WeightEstimate:
     """Weight bytes in a format, or as stored when fmt is 'auto'.
 
     'auto': exact bytes from the file when one was given; else the checkpoint's own format from the
@@ -153,7 +153,7 @@ def weight_bytes(spec: ModelSpec, fmt: str = "auto") -> WeightEstimate:
     return WeightEstimate(total, params, f"{fmt} ({_bits_text(bits)} bits per weight)", exact=False)
 
 
-def _as_checkpoint(spec: ModelSpec, params: ParamCounts) -> WeightEstimate:
+def _as_checkpoint(spec: ModelConfig, params: ParamCounts) -> WeightEstimate:
     """The checkpoint's stored format as its config describes it."""
     dtype_bits = kv_dtype_bits(spec.dtype)
     q = spec.quantization

@@ -8,9 +8,11 @@ from pathlib import Path
 
 import torch
 
-from kvlab.config import ModelConfig
+from kvlab.config import ModelConfig, load_config, read_json
+from kvlab.config.gguf import config_from_gguf
 from kvlab.errors import KvlabError
 from kvlab.gguf_file import GGUFFile
+from kvlab.model.registry import architecture_of, check_architecture_name
 from kvlab.model.rope import RotaryEmbedding
 from kvlab.model.transformer import Transformer
 from kvlab.model.weights import iter_gguf, iter_safetensors, load_weights
@@ -62,12 +64,19 @@ def load_model(source: str | Path, dtype="float32", device="cpu", max_positions:
     dtype, device = parse_dtype(dtype), torch.device(device)
     path = resolve_source(source)
     if path.is_dir():
-        config = ModelConfig.from_hf_dir(path)
+        if not (path / "config.json").is_file():
+            raise KvlabError(f"no config.json in {path}: a model directory needs one")
+        raw = read_json(path / "config.json")
+        raw = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else raw
+        check_architecture_name(str(raw.get("model_type")), (raw.get("architectures") or [raw.get("model_type")])[0])
+        config = load_config(path)
+        architecture = architecture_of(config)
         tensors = iter_safetensors(path)
-    elif path.suffix == ".gguf" or path.is_file():
+    elif path.is_file():
         gguf = GGUFFile(path)
-        config = ModelConfig.from_gguf(gguf.metadata, {n: t.shape for n, t in gguf.tensors.items()})
-        tensors = iter_gguf(gguf, config)
+        config = config_from_gguf(gguf)
+        architecture = architecture_of(config)
+        tensors = iter_gguf(gguf, config, architecture.gguf_permuted_qk)
     else:
         raise KvlabError(f"no such model file or directory: {path}")
     with torch.device("meta"):

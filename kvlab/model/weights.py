@@ -108,8 +108,10 @@ def _unpermute_llama(w: np.ndarray, num_heads: int) -> np.ndarray:
     return w.reshape(num_heads, rows // num_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def iter_gguf(gguf: GGUFFile, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    """(Hugging Face name, float32 tensor) for every tensor of a GGUF file, dequantized."""
+def iter_gguf(gguf: GGUFFile, config: ModelConfig, permuted_qk: bool) -> Iterator[tuple[str, torch.Tensor]]:
+    """(Hugging Face name, float32 tensor) for every tensor of a GGUF file, dequantized.
+
+    `permuted_qk`: the converter reordered q/k rows for its own rotary layout (llama.cpp's llama)."""
     for name in gguf.tensors:
         rest = name
         if name.startswith("blk."):
@@ -121,7 +123,7 @@ def iter_gguf(gguf: GGUFFile, config: ModelConfig) -> Iterator[tuple[str, torch.
         if hf_name is None:
             continue  # e.g. rope_freqs: recomputed from the config
         w = gguf.dequantize(name)
-        if gguf.architecture == "llama" and rest in ("attn_q.weight", "attn_k.weight"):
+        if permuted_qk and rest in ("attn_q.weight", "attn_k.weight"):
             heads = config.num_heads if rest == "attn_q.weight" else config.num_kv_heads
             w = _unpermute_llama(w, heads)
         yield hf_name, torch.from_numpy(np.array(w, dtype=np.float32))  # a copy: the file map is read-only

@@ -118,33 +118,32 @@ def _check_web_stack() -> None:
 
 def read_config(model: str):
     """The model's config without loading weights (GGUF header or config.json), and its path."""
-    from kvlab.config import ModelConfig
-    from kvlab.gguf_file import GGUFFile
+    from kvlab.config import load_config
     from kvlab.model.loader import resolve_source
+    from kvlab.model.registry import architecture_of
 
     path = resolve_source(model)
-    if path.is_dir():
-        return ModelConfig.from_hf_dir(path), path
-    gguf = GGUFFile(path)
-    return ModelConfig.from_gguf(gguf.metadata, {n: t.shape for n, t in gguf.tensors.items()}), path
+    config = load_config(path)
+    architecture_of(config)  # refuse what the engine cannot run before planning memory for it
+    return config, path
 
 
 def print_plan(args, options: dict, file=None):
     """Print the plan before loading (to stderr); return the KV pool plan and the weight bytes expected."""
     import torch
 
-    from kvlab.memory import load_spec, weight_bytes
+    from kvlab.memory import weight_bytes
     from kvlab.model.loader import parse_dtype
     from kvlab.runner.memory_plan import plan_kv_pool
 
     file = file or sys.stderr
-    config, path = read_config(str(args.model))
+    config, _ = read_config(str(args.model))
     dtype = parse_dtype(args.dtype)
     max_len = min(args.max_model_len or config.max_position_embeddings, config.max_position_embeddings)
     plan = plan_kv_pool(config, dtype, torch.device(args.device), options["block_size"], max_len,
                         options["kv_memory_bytes"], options["kv_memory_fraction"], options["max_num_seqs"])  # fmt: skip
     try:
-        weights = weight_bytes(load_spec(path), fmt=args.dtype).bytes
+        weights = weight_bytes(config, fmt=args.dtype).bytes
     except KvlabError:
         weights = None
     print(f"kvlab serve {args.model}: memory plan ({args.dtype} on {args.device})", file=file)

@@ -1,7 +1,4 @@
-"""ModelSpec: a model described layer by layer, with exactly the facts the memory calculator needs.
-
-Every source (config.json, a Hugging Face directory, GGUF metadata, a bundled config) is normalised
-into this one frozen structure; the arithmetic in kv.py, weights.py and fit.py reads nothing else.
+"""The layers of a model: what each block of a ModelConfig holds, one frozen dataclass per kind.
 
 A layer is a token mixer (what owns the cache) plus an MLP. Mixers:
     Attention      softmax attention caching K and V per token; `window` set = sliding-window layer
@@ -12,10 +9,10 @@ A layer is a token mixer (what owns the cache) plus an MLP. Mixers:
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
-from fractions import Fraction
 from typing import ClassVar, Union
+
+from kvlab.config.rope import RopeConfig
 
 
 @dataclass(frozen=True)
@@ -33,6 +30,7 @@ class Attention:
     qk_norm: bool = False  # per-head RMSNorm on q and k (Qwen3, Gemma 3)
     output_gate: bool = False  # q_proj also emits a sigmoid gate per head (Qwen3-Next, Qwen3.5)
     sinks: bool = False  # one learned sink logit per head (gpt-oss)
+    rope: RopeConfig | None = None  # this layer's own rotary settings (Gemma 3's sliding layers); None: the model's
 
     @property
     def label(self) -> str:
@@ -93,6 +91,7 @@ class DenseMLP:
     intermediate_size: int
     gated: bool = True
     bias: bool = False
+    activation: str = "silu"  # of the gate (gated) or of up (plain): silu, gelu_pytorch_tanh, relu2, ...
 
 
 @dataclass(frozen=True)
@@ -125,92 +124,3 @@ class Layer:
         if self.mixer is None:
             return "mlp_only"
         return self.mixer.label
-
-
-@dataclass(frozen=True)
-class QuantScheme:
-    """How the checkpoint stores its weights when the config says so (quantization_config)."""
-
-    name: str  # e.g. "fp8-block128", "mxfp4", "int4"
-    bits: Fraction  # bits per quantized parameter, scales included
-    experts_only: bool  # True: only routed-expert weights are quantized (gpt-oss MXFP4)
-
-
-@dataclass(frozen=True)
-class ParamCounts:
-    """Parameters by role; the role decides which ones a weight format quantizes."""
-
-    embedding: int  # input embedding table (vocab x hidden)
-    lm_head: int  # output projection; 0 when tied to the embedding
-    dense: int  # every other matrix outside the routed experts (attention, dense MLPs, shared experts)
-    experts: int  # routed-expert matrices and biases, all experts
-    experts_active: int  # the part of `experts` one token uses (top_k of num_experts)
-    routers: int  # expert routers and gates (kept in high precision by quantized checkpoints)
-    vectors: int  # 1-D parameters: norms, biases, conv filters, A, D, dt (kept in 16 bits)
-
-    @property
-    def total(self) -> int:
-        return self.embedding + self.lm_head + self.dense + self.experts + self.routers + self.vectors
-
-    @property
-    def active(self) -> int:
-        """Parameters one token multiplies with: all but the unused experts and, when the output
-        projection is separate, the input embedding table (a token only reads one row of it).
-        gpt-oss-20b: 3.6B, as OpenAI counts it."""
-        lookup_only = self.embedding if self.lm_head else 0  # tied: the table is also the output matmul
-        return self.total - lookup_only - (self.experts - self.experts_active)
-
-
-@dataclass(frozen=True)
-class FileWeights:
-    """Exact weight storage read from safetensors or GGUF headers."""
-
-    path: str
-    tensor_bytes: int  # bytes of tensor data, headers excluded
-    num_elements: int  # numbers stored (packed formats count their storage units)
-    bytes_by_type: tuple[tuple[str, int], ...]  # (dtype or GGUF type, bytes), largest first
-    file_bytes: int | None = None  # size on disk, headers and padding included
-    params: ParamCounts | None = None  # exact counts by role when the file's tensor names tell them (GGUF)
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """A model, layer by layer, normalised from whatever source described it."""
-
-    name: str
-    architecture: str  # model_type of config.json, or GGUF general.architecture
-    source: str  # where the description came from, for the report
-    hidden_size: int
-    vocab_size: int | None
-    tie_embeddings: bool
-    layers: tuple[Layer, ...]
-    dtype: str = "bfloat16"  # the model's own dtype: default KV dtype and state dtype
-    max_context: int | None = None  # trained context length (max_position_embeddings)
-    state_dtype: str | None = None  # dtype of every recurrent state when the runtime fixes it (llama.cpp: f32)
-    mtp_layers: tuple[Layer, ...] = ()  # multi-token-prediction modules, counted only after with_mtp()
-    quantization: QuantScheme | None = None
-    file_weights: FileWeights | None = None
-    notes: tuple[str, ...] = ()
-
-    @property
-    def num_layers(self) -> int:
-        return len(self.layers)
-
-    def with_mtp(self) -> ModelSpec:
-        """This spec with its multi-token-prediction modules counted as layers (for speculative decoding)."""
-        if not self.mtp_layers:
-            return self
-        note = f"{len(self.mtp_layers)} MTP layer(s) counted"
-        return dataclasses.replace(
-            self, layers=self.layers + self.mtp_layers, mtp_layers=(), notes=self.notes + (note,)
-        )
-
-    def with_note(self, note: str) -> ModelSpec:
-        return dataclasses.replace(self, notes=self.notes + (note,))
-
-    def count_by_label(self) -> dict[str, int]:
-        """How many layers of each kind, in order of first appearance."""
-        counts: dict[str, int] = {}
-        for layer in self.layers:
-            counts[layer.label] = counts.get(layer.label, 0) + 1
-        return counts

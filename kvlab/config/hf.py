@@ -1,4 +1,4 @@
-"""config.json (a parsed dict) -> ModelSpec, the way transformers reads it.
+"""config.json (a parsed dict) -> ModelConfig, the way transformers reads it: the one reader of config.json.
 
 What the file alone does not say comes from the architecture's class defaults (Gemma 3's pattern and
 context length), and layer kinds are derived like transformers derives them: `layer_types` when the
@@ -12,11 +12,11 @@ import dataclasses
 from fractions import Fraction
 from typing import Any
 
+from kvlab.config.layers import MLA, Attention, DenseMLP, GatedDeltaNet, Layer, Mamba2, MoE
+from kvlab.config.model import ModelConfig, QuantScheme
+from kvlab.config.rope import RopeConfig, rope_from_hf
 from kvlab.errors import KvlabError
-from kvlab.memory.spec import (
-    MLA, Attention, DenseMLP, GatedDeltaNet, Layer, Mamba2, ModelSpec, MoE, QuantScheme,
-)
-from kvlab.memory.units import canonical_dtype
+from kvlab.config.dtypes import canonical_dtype
 
 # model_type values whose layout this module knows; anything else gets the generic formula and a note
 KNOWN_TYPES = {
@@ -26,9 +26,14 @@ KNOWN_TYPES = {
 }
 # defaults of the transformers config classes, used when the file leaves a key out
 CLASS_DEFAULTS: dict[str, dict[str, Any]] = {
+    "llama": {"max_position_embeddings": 2048},
+    "mistral": {"max_position_embeddings": 32768},
+    "qwen2": {"max_position_embeddings": 32768},
+    "qwen3": {"max_position_embeddings": 32768},
     "gemma3_text": {
         "vocab_size": 262208, "max_position_embeddings": 131072, "sliding_window": 4096,
         "sliding_window_pattern": 6, "tie_word_embeddings": True, "head_dim": 256,
+        "rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0, "hidden_activation": "gelu_pytorch_tanh",
     },
     "gemma2": {"sliding_window_pattern": 2, "tie_word_embeddings": True},
     "gemma": {"tie_word_embeddings": True},
@@ -47,8 +52,8 @@ MAX_DIM = 10**7  # no real hidden size, head count or vocabulary comes near this
 MAX_LAYERS = 10_000
 
 
-def spec_from_config(raw: dict, *, name: str, source: str) -> ModelSpec:
-    """Normalise a parsed config.json (nested text_config included) into a ModelSpec."""
+def config_from_hf(raw: dict, *, name: str, source: str) -> ModelConfig:
+    """Normalise a parsed config.json (nested text_config included) into a ModelConfig."""
     if not isinstance(raw, dict):
         raise KvlabError(f"{source}: a config must be a JSON object, not {type(raw).__name__}")
     cfg, notes = _flatten(raw)
@@ -63,7 +68,8 @@ def spec_from_config(raw: dict, *, name: str, source: str) -> ModelSpec:
     num_layers = _num_layers(cfg, r)
     hidden = r.int("hidden_size", "n_embd", "d_model")
     kinds = _layer_kinds(cfg, r, model_type, num_layers, notes)
-    mixers = {kind: _mixer(kind, cfg, r, model_type, notes) for kind in sorted(set(kinds))}
+    rope = rope_from_hf(cfg, source)
+    mixers = {kind: _mixer(kind, cfg, r, model_type, notes, rope) for kind in sorted(set(kinds))}
     layers = tuple(
         Layer(mixer=mixers[kind], mlp=_mlp(i, kind, cfg, r, model_type), norms=_norms(model_type))
         for i, kind in enumerate(kinds)
@@ -71,21 +77,42 @@ def spec_from_config(raw: dict, *, name: str, source: str) -> ModelSpec:
     if not known:  # reached only when every field the generic formula reads was present
         notes.append(f"unknown architecture {model_type!r}: generic decoder formula used "
                      "(every field it needs is present)")
-    return ModelSpec(
-        name=name,
+    return ModelConfig(
         architecture=model_type,
-        source=source,
         hidden_size=hidden,
         vocab_size=r.int("vocab_size", required=False),
-        tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         layers=layers,
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        max_position_embeddings=r.int("max_position_embeddings", "n_positions", "max_seq_len", "seq_length",
+                                      required=False, limit=2**40),
+        rms_norm_eps=_float(cfg, "rms_norm_eps", 1e-6, source),
+        rope=rope,
         dtype=_dtype(cfg, notes),
-        max_context=r.int("max_position_embeddings", "n_positions", "max_seq_len", "seq_length",
-                          required=False, limit=2**40),
         mtp_layers=_mtp_layers(cfg, r, layers),
         quantization=_quantization(cfg.get("quantization_config")),
+        bos_token_id=_token_id(cfg.get("bos_token_id")),
+        eos_token_ids=_token_ids(cfg.get("eos_token_id")),
+        name=name,
+        source=source,
         notes=tuple(notes),
     )
+
+
+def _float(cfg: dict, key: str, default: float, source: str) -> float:
+    value = cfg.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise KvlabError(f"{source}: '{key}' must be a positive number, got {value!r}")
+    return float(value)
+
+
+def _token_id(value: object) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
+
+
+def _token_ids(value: object) -> tuple[int, ...]:
+    """eos_token_id: one id or a list of them (Llama 3, Qwen2.5 chat models list several)."""
+    values = value if isinstance(value, list) else [value]
+    return tuple(v for v in map(_token_id, values) if v is not None)
 
 
 class _Reader:
@@ -170,7 +197,7 @@ def _layer_kinds(cfg: dict, r: _Reader, model_type: str, n: int, notes: list[str
     return ["sliding"] * n
 
 
-def _mixer(kind: str, cfg: dict, r: _Reader, model_type: str, notes: list[str]):
+def _mixer(kind: str, cfg: dict, r: _Reader, model_type: str, notes: list[str], rope: RopeConfig):
     """The token mixer of every layer of one kind (all layers of a kind share one geometry here)."""
     if kind in ("mlp", "moe"):
         return None
@@ -228,7 +255,20 @@ def _mixer(kind: str, cfg: dict, r: _Reader, model_type: str, notes: list[str]):
         qk_norm=model_type in QK_NORM_TYPES,
         output_gate=bool(cfg.get("attn_output_gate", model_type == "qwen3_next")),
         sinks=model_type == "gpt_oss",
+        rope=_layer_rope(kind, cfg, rope),
     )
+
+
+def _layer_rope(kind: str, cfg: dict, rope: RopeConfig) -> RopeConfig | None:
+    """Gemma 3's sliding layers rotate with their own base and no scaling (`rope_local_base_freq`);
+    every other layer uses the model's rotary settings (None)."""
+    local = cfg.get("rope_local_base_freq")
+    params = cfg.get("rope_parameters")
+    if isinstance(params, dict) and isinstance(params.get("sliding_attention"), dict):  # transformers 5
+        local = params["sliding_attention"].get("rope_theta", local)
+    if kind != "sliding" or not isinstance(local, (int, float)) or isinstance(local, bool):
+        return None
+    return RopeConfig(theta=float(local))
 
 
 def _mlp(i: int, kind: str, cfg: dict, r: _Reader, model_type: str) -> DenseMLP | MoE | None:
@@ -259,7 +299,8 @@ def _mlp(i: int, kind: str, cfg: dict, r: _Reader, model_type: str) -> DenseMLP 
             expert_bias=model_type == "gpt_oss",
             score_bias=model_type == "deepseek_v3",
         )
-    return DenseMLP(r.int("intermediate_size", "n_inner", "ffn_dim"), bias=bool(cfg.get("mlp_bias")))
+    return DenseMLP(r.int("intermediate_size", "n_inner", "ffn_dim"), bias=bool(cfg.get("mlp_bias")),
+                    activation=str(cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu"))
 
 
 def _is_moe_layer(i: int, cfg: dict, r: _Reader) -> bool:

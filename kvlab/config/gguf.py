@@ -1,165 +1,78 @@
-"""GGUF file -> ModelSpec: geometry from the metadata, exact weight bytes from the tensor infos.
+"""GGUF file -> ModelConfig: geometry from the metadata, exact weight bytes from the tensor infos.
 
+The one reader of GGUF metadata (the file itself is parsed once, by `kvlab.gguf_file.GGUFFile`).
 Keys are llama.cpp's, prefixed by the architecture (`llama.block_count`, ...). Per-layer arrays
-(`head_count_kv` with 0 for recurrent layers) are honoured. llama.cpp keeps the KV cache in f16 by
-default and every recurrent state in f32, so those are the spec's defaults here.
+(`head_count_kv` with 0 for recurrent layers) are honoured; biases, q/k norms and norms per block
+are read off the tensors each block has. llama.cpp keeps the KV cache in f16 by default and every
+recurrent state in f32, so those are the description's defaults here.
 """
 
 from __future__ import annotations
 
-import math
-import mmap
-import struct
+import dataclasses
 from collections import defaultdict
-from dataclasses import dataclass
 from pathlib import Path
 
+from kvlab.config.layers import MLA, Attention, DenseMLP, GatedDeltaNet, Layer, Mamba2, MoE
+from kvlab.config.model import FileWeights, ModelConfig, ParamCounts
+from kvlab.config.rope import RopeConfig, rope_from_gguf
 from kvlab.errors import KvlabError
-from kvlab.memory.spec import (
-    MLA, Attention, DenseMLP, FileWeights, GatedDeltaNet, Layer, Mamba2, ModelSpec, MoE, ParamCounts,
-)
+from kvlab.gguf_file import GGUFFile
 
 # llama.cpp hard-codes these interleavings: layer i is sliding unless i % period == period - 1
 SWA_PERIODS = {"gemma2": 2, "gemma3": 6, "gpt-oss": 2, "cohere2": 4}
 GATED_DELTANET_ARCHS = {"qwen3next", "qwen35", "qwen35moe"}  # other ssm_* blocks are Mamba-2
+GELU_ARCHS = {"gemma", "gemma2", "gemma3"}  # their MLPs gate with tanh-approximated GELU, the rest with SiLU
+SWA_ROPE_BASE = {"gemma3": 10_000.0}  # sliding layers' rotary base where the file has no freq_base_swa
+_BLOCK_NORMS = ("attn_norm", "ffn_norm", "post_attention_norm", "post_ffw_norm")
 
 
-def spec_from_gguf(path: Path, *, name: str | None = None) -> ModelSpec:
-    """Read a .gguf file's metadata and tensor infos into a ModelSpec with exact weight bytes."""
-    header = read_gguf_header(path)
-    meta = _Meta(header.metadata, path)
+def config_from_gguf(gguf: GGUFFile, *, name: str | None = None) -> ModelConfig:
+    """Read an open .gguf file's metadata and tensor infos into a ModelConfig with exact weight bytes."""
+    path = gguf.path
+    meta = _Meta(gguf.metadata, path)
     arch = meta.str("general.architecture")
     n = meta.int(f"{arch}.block_count")
-    hidden = meta.int(f"{arch}.embedding_length")
-    recurrent = {int(t.name.split(".")[1]) for t in header.tensors if t.name.startswith("blk.") and ".ssm_" in t.name}
-    layers = tuple(_layer(meta, arch, i, i in recurrent) for i in range(n))
-    weights = _file_weights(header, path, meta, arch)
+    tensors = gguf.tensors
+    recurrent = {int(t.split(".")[1]) for t in tensors if t.startswith("blk.") and ".ssm_" in t}
+    rope = rope_from_gguf(gguf.metadata, arch)
+    layers = tuple(_layer(meta, arch, i, i in recurrent, tensors) for i in range(n))
+    weights = _file_weights(gguf, meta, arch)
     vocab = meta.int(f"{arch}.vocab_size", required=False)
-    tokens = header.metadata.get("tokenizer.ggml.tokens")
-    if vocab is None and isinstance(tokens, ArrayInfo):
-        vocab = tokens.count
+    if "token_embd.weight" in tensors:  # rows of the embedding: the model's vocabulary
+        vocab = tensors["token_embd.weight"].shape[0]
+    elif vocab is None and isinstance(gguf.metadata.get("tokenizer.ggml.tokens"), list):
+        vocab = len(gguf.metadata["tokenizer.ggml.tokens"])
     has_state = any(isinstance(layer.mixer, (GatedDeltaNet, Mamba2)) for layer in layers)
-    return ModelSpec(
-        name=name or path.stem,
+    eps = gguf.metadata.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)
+    bos, eos = gguf.metadata.get("tokenizer.ggml.bos_token_id"), gguf.metadata.get("tokenizer.ggml.eos_token_id")
+    return ModelConfig(
         architecture=arch,
-        source=str(path),
-        hidden_size=hidden,
+        hidden_size=meta.int(f"{arch}.embedding_length"),
         vocab_size=vocab,
-        tie_embeddings=weights.params is not None and weights.params.lm_head == 0,
-        layers=layers,
+        layers=tuple(_with_rope(layer, arch, gguf.metadata, rope) for layer in layers),
+        tie_word_embeddings="output.weight" not in tensors,
+        max_position_embeddings=meta.int(f"{arch}.context_length", required=False),
+        rms_norm_eps=float(eps),
+        rope=rope,
         dtype="float16",  # llama.cpp's default cache type
-        max_context=meta.int(f"{arch}.context_length", required=False),
         state_dtype="float32" if has_state else None,  # llama.cpp keeps recurrent states in f32
+        bos_token_id=None if bos is None else int(bos),
+        eos_token_ids=() if eos is None else (int(eos),),
+        name=name or path.stem,
+        source=str(path),
         file_weights=weights,
         notes=("GGUF: KV sized in f16 (llama.cpp's default cache type) unless --kv-dtype says otherwise",),
     )
 
 
-# ------------------------------------------------------------------ reading the header
-# GGUF v2/v3, little-endian: magic, version u32, tensor count u64, kv count u64, then the key-value
-# pairs, then one info per tensor (name, dims, type, offset). Walking it directly takes milliseconds;
-# gguf.GGUFReader builds numpy views of every tokenizer string and takes seconds (tests compare both).
-
-_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
-_STRING, _ARRAY = 8, 9
-MAX_SMALL_ARRAY = 4096  # longer arrays (vocabularies) are kept as their length only
-
-
-@dataclass(frozen=True)
-class ArrayInfo:
-    """A long metadata array, kept as its element count."""
-
-    count: int
-
-
-@dataclass(frozen=True)
-class TensorInfo:
-    name: str
-    shape: tuple[int, ...]
-    type_name: str  # GGML type: F32, F16, Q4_K, ...
-    n_elements: int
-    n_bytes: int
-
-
-@dataclass(frozen=True)
-class GGUFHeader:
-    metadata: dict
-    tensors: tuple[TensorInfo, ...]
-
-
-class _Cursor:
-    def __init__(self, buf, path: Path):
-        self.buf, self.pos, self.path = buf, 0, path
-
-    def unpack(self, fmt: str):
-        size = struct.calcsize(fmt)
-        if self.pos + size > len(self.buf):
-            raise KvlabError(f"{self.path}: GGUF header is truncated")
-        (value,) = struct.unpack_from(fmt, self.buf, self.pos)
-        self.pos += size
-        return value
-
-    def string(self) -> str:
-        length = self.unpack("<Q")
-        if self.pos + length > len(self.buf):
-            raise KvlabError(f"{self.path}: GGUF header is truncated")
-        text = bytes(self.buf[self.pos:self.pos + length]).decode("utf-8", errors="replace")
-        self.pos += length
-        return text
-
-    def value(self, kind: int):
-        if kind in _SCALARS:
-            return self.unpack(_SCALARS[kind])
-        if kind == _STRING:
-            return self.string()
-        if kind == _ARRAY:
-            elem, count = self.unpack("<I"), self.unpack("<Q")
-            if count <= MAX_SMALL_ARRAY:
-                return [self.value(elem) for _ in range(count)]
-            if elem in _SCALARS:  # skip fixed-size elements at once
-                self.pos += count * struct.calcsize(_SCALARS[elem])
-            elif elem == _STRING:  # a vocabulary: hop over each length-prefixed string
-                for _ in range(count):
-                    self.pos += 8 + struct.unpack_from("<Q", self.buf, self.pos)[0]
-            else:
-                for _ in range(count):
-                    self.value(elem)
-            return ArrayInfo(count)
-        raise KvlabError(f"{self.path}: unknown GGUF value type {kind}")
-
-
-def read_gguf_header(path: Path) -> GGUFHeader:
-    """Metadata and tensor infos of a GGUF file, from its header only (the weights are not read)."""
-    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
-
-    try:
-        with path.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-            c = _Cursor(buf, path)
-            if bytes(buf[:4]) != b"GGUF":
-                raise KvlabError(f"{path}: not a GGUF file (bad magic)")
-            c.pos = 4
-            version, n_tensors, n_kv = c.unpack("<I"), c.unpack("<Q"), c.unpack("<Q")
-            if version not in (2, 3):
-                raise KvlabError(f"{path}: GGUF version {version} is not supported (big-endian or too new)")
-            metadata = {}
-            for _ in range(n_kv):
-                key = c.string()
-                metadata[key] = c.value(c.unpack("<I"))
-            tensors = []
-            for _ in range(n_tensors):
-                name = c.string()
-                shape = tuple(c.unpack("<Q") for _ in range(c.unpack("<I")))
-                kind, _offset = c.unpack("<I"), c.unpack("<Q")
-                try:
-                    qtype = GGMLQuantizationType(kind)
-                except ValueError:
-                    raise KvlabError(f"{path}: tensor {name} has unknown GGML type {kind}") from None
-                block, size = GGML_QUANT_SIZES[qtype]
-                count = math.prod(shape)
-                tensors.append(TensorInfo(name, shape, qtype.name, count, count // block * size))
-    except (OSError, ValueError) as e:
-        raise KvlabError(f"{path}: not a readable GGUF file ({e})") from None
-    return GGUFHeader(metadata, tuple(tensors))
+def _with_rope(layer: Layer, arch: str, metadata: dict, rope: RopeConfig) -> Layer:
+    """Sliding layers of architectures whose windowed layers rotate with a base of their own."""
+    mixer = layer.mixer
+    if not isinstance(mixer, Attention) or not mixer.window or arch not in SWA_ROPE_BASE:
+        return layer
+    base = float(metadata.get(f"{arch}.rope.freq_base_swa", SWA_ROPE_BASE[arch]))
+    return dataclasses.replace(layer, mixer=dataclasses.replace(mixer, rope=RopeConfig(theta=base)))
 
 
 class _Meta:
@@ -190,17 +103,19 @@ class _Meta:
         return int(value)
 
 
-def _layer(meta: _Meta, arch: str, i: int, recurrent: bool) -> Layer:
+def _layer(meta: _Meta, arch: str, i: int, recurrent: bool, tensors: dict) -> Layer:
     """Block i: recurrent when it has ssm_* tensors, attention when it has KV heads, else MLP only."""
     heads = meta.int(f"{arch}.attention.head_count", required=False, layer=i) or 0
     kv_heads = meta.int(f"{arch}.attention.head_count_kv", required=False, layer=i)
     kv_heads = heads if kv_heads is None else kv_heads
-    mixer = _recurrent(meta, arch) if recurrent else _attention(meta, arch, i, heads, kv_heads)
+    has = lambda part: f"blk.{i}.{part}" in tensors  # noqa: E731
+    mixer = _recurrent(meta, arch) if recurrent else _attention(meta, arch, i, heads, kv_heads, has)
     mlp = _mlp(meta, arch, i)
-    return Layer(mixer=mixer, mlp=mlp, norms=2)
+    norms = sum(has(f"{norm}.weight") for norm in _BLOCK_NORMS) or 2
+    return Layer(mixer=mixer, mlp=mlp, norms=norms)
 
 
-def _attention(meta: _Meta, arch: str, i: int, heads: int, kv_heads: int):
+def _attention(meta: _Meta, arch: str, i: int, heads: int, kv_heads: int, has):
     if kv_heads == 0 or heads == 0:
         return None
     rank = meta.int(f"{arch}.attention.kv_lora_rank", required=False)
@@ -216,7 +131,8 @@ def _attention(meta: _Meta, arch: str, i: int, heads: int, kv_heads: int):
     key = meta.int(f"{arch}.attention.key_length", required=False) or hidden // heads
     value = meta.int(f"{arch}.attention.value_length", required=False) or key
     return Attention(num_heads=heads, kv_heads=kv_heads, head_dim=key, v_head_dim=value,
-                     window=_window(meta, arch, i))
+                     window=_window(meta, arch, i), qkv_bias=has("attn_q.bias"), o_bias=has("attn_output.bias"),
+                     qk_norm=has("attn_q_norm.weight"))
 
 
 def _window(meta: _Meta, arch: str, i: int) -> int | None:
@@ -252,16 +168,17 @@ def _mlp(meta: _Meta, arch: str, i: int):
                    expert_size=meta.int(f"{arch}.expert_feed_forward_length", required=False) or
                    meta.int(f"{arch}.feed_forward_length", layer=i))
     size = meta.int(f"{arch}.feed_forward_length", required=False, layer=i)
-    return DenseMLP(size) if size else None
+    activation = "gelu_pytorch_tanh" if arch in GELU_ARCHS else "silu"
+    return DenseMLP(size, activation=activation) if size else None
 
 
-def _file_weights(header: GGUFHeader, path: Path, meta: _Meta, arch: str) -> FileWeights:
+def _file_weights(gguf: GGUFFile, meta: _Meta, arch: str) -> FileWeights:
     """Exact tensor bytes by GGUF type, and parameters by role from the tensor names."""
     by_type: dict[str, int] = defaultdict(int)
     roles: dict[str, int] = defaultdict(int)
-    for t in header.tensors:
-        by_type[t.type_name] += t.n_bytes
-        roles[_role(t.name, len(t.shape))] += t.n_elements
+    for t in gguf.tensors.values():
+        by_type[t.type_name] += t.nbytes
+        roles[_role(t.name, len(t.shape))] += t.num_elements
     experts = meta.int(f"{arch}.expert_count", required=False)
     used = meta.int(f"{arch}.expert_used_count", required=False)
     params = ParamCounts(
@@ -270,11 +187,11 @@ def _file_weights(header: GGUFHeader, path: Path, meta: _Meta, arch: str) -> Fil
         routers=roles["routers"], vectors=roles["vectors"],
     )
     return FileWeights(
-        path=str(path),
+        path=str(gguf.path),
         tensor_bytes=sum(by_type.values()),
         num_elements=sum(roles.values()),
         bytes_by_type=tuple(sorted(by_type.items(), key=lambda kv: -kv[1])),
-        file_bytes=path.stat().st_size,
+        file_bytes=gguf.path.stat().st_size,
         params=params,
     )
 

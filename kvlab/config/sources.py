@@ -1,4 +1,4 @@
-"""Where a model description comes from: load_spec() for every kind of argument the user can give.
+"""Where a model description comes from: load_config() for every kind of argument the user can give.
 
 In order: an already-parsed config (dict), an existing path (config.json, a Hugging Face directory,
 a .gguf file, a .safetensors file next to its config.json), a bundled config's short name, and last a
@@ -13,9 +13,9 @@ import struct
 from collections import defaultdict
 from pathlib import Path
 
+from kvlab.config.hf import config_from_hf
+from kvlab.config.model import FileWeights, ModelConfig
 from kvlab.errors import KvlabError
-from kvlab.memory.hf_config import spec_from_config
-from kvlab.memory.spec import FileWeights, ModelSpec
 
 MAX_HEADER_BYTES = 100 * 2**20  # a safetensors JSON header larger than this is not a real header
 
@@ -30,7 +30,7 @@ def bundled_names() -> list[str]:
     return sorted(p.stem for p in bundled_dir().glob("*.json"))
 
 
-def load_spec(source: str | Path | dict, *, name: str | None = None) -> ModelSpec:
+def load_config(source: str | Path | dict, *, name: str | None = None) -> ModelConfig:
     """Describe a model layer by layer from a dict, a path, a bundled name or a registry name.
 
     A dict is an already-parsed config.json (a transformers config object works too, through its
@@ -40,14 +40,14 @@ def load_spec(source: str | Path | dict, *, name: str | None = None) -> ModelSpe
         source = source.to_dict()
     if isinstance(source, dict):
         label = name or str(source.get("_name_or_path") or source.get("model_type") or "config")
-        return spec_from_config(source, name=label, source=f"config dict ({label})")
+        return config_from_hf(source, name=label, source=f"config dict ({label})")
     text = str(source)
     path = Path(text).expanduser()
     if path.exists():
         return _from_path(path, name)
     if text in bundled_names():
         file = bundled_dir() / f"{text}.json"
-        return spec_from_config(read_json(file), name=name or text, source=f"bundled config {file.name}")
+        return config_from_hf(read_json(file), name=name or text, source=f"bundled config {file.name}")
     if "/" in text or text.endswith((".json", ".gguf", ".safetensors")):
         raise KvlabError(f"no such file or directory: {text}")
     return _from_registry(text, name)
@@ -66,18 +66,19 @@ def read_json(path: Path) -> dict:
     return data
 
 
-def _from_path(path: Path, name: str | None) -> ModelSpec:
+def _from_path(path: Path, name: str | None) -> ModelConfig:
     if path.is_dir():
         return _from_directory(path, name)
     suffix = path.suffix.lower()
     if suffix == ".gguf":
-        from kvlab.memory.gguf_meta import spec_from_gguf
+        from kvlab.config.gguf import config_from_gguf
+        from kvlab.gguf_file import GGUFFile
 
-        return spec_from_gguf(path, name=name)
+        return config_from_gguf(GGUFFile(path), name=name)
     if suffix == ".safetensors" or path.name.endswith(".safetensors.index.json"):
         return _from_directory(path.parent, name)
     if suffix == ".json":
-        return spec_from_config(read_json(path), name=name or _default_name(path), source=str(path))
+        return config_from_hf(read_json(path), name=name or _default_name(path), source=str(path))
     raise KvlabError(f"{path}: not a config.json, .gguf, .safetensors or model directory")
 
 
@@ -85,7 +86,7 @@ def _default_name(path: Path) -> str:
     return path.parent.name if path.name == "config.json" and path.parent.name else path.stem
 
 
-def _from_directory(folder: Path, name: str | None) -> ModelSpec:
+def _from_directory(folder: Path, name: str | None) -> ModelConfig:
     """A Hugging Face directory: config.json, plus exact weight bytes from any safetensors headers."""
     config = folder / "config.json"
     if not config.exists():
@@ -93,11 +94,11 @@ def _from_directory(folder: Path, name: str | None) -> ModelSpec:
         if len(ggufs) == 1:
             return _from_path(ggufs[0], name)
         raise KvlabError(f"{folder}: no config.json in this directory")
-    spec = spec_from_config(read_json(config), name=name or folder.name, source=str(config))
+    described = config_from_hf(read_json(config), name=name or folder.name, source=str(config))
     weights = safetensors_weights(folder)
     if weights is None:
-        return spec
-    return dataclasses.replace(spec, file_weights=weights)
+        return described
+    return dataclasses.replace(described, file_weights=weights)
 
 
 def safetensors_weights(folder: Path) -> FileWeights | None:
@@ -152,7 +153,7 @@ def _safetensors_tensors(file: Path):
         yield info["dtype"], end - start, count
 
 
-def _from_registry(text: str, name: str | None) -> ModelSpec:
+def _from_registry(text: str, name: str | None) -> ModelConfig:
     """A registry name: kvlab.hub resolves it to a pulled .gguf (the hub may not exist yet)."""
     hint = f"unknown model {text!r}: not a file, not a bundled config (kvlab mem --list)"
     try:

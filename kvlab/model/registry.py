@@ -1,0 +1,71 @@
+"""Which architectures the hand-written decoder runs, keyed by the config's architecture name.
+
+An entry names the model class and the source quirks its weights need; `check_supported` reads
+the normalised ModelConfig layer by layer and refuses, in one line, anything the model would get
+wrong (a sliding window, an output gate, a bias it has no parameter for) instead of running it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvlab.config import Attention, DenseMLP, ModelConfig
+from kvlab.errors import KvlabError
+
+
+@dataclass(frozen=True)
+class Architecture:
+    family: str  # the decoder family: llama, qwen2, qwen3
+    gguf_permuted_qk: bool = False  # llama.cpp reorders q/k rows of this family when converting
+
+
+# config.json model_type or GGUF general.architecture → how kvlab runs it
+ARCHITECTURES = {
+    "llama": Architecture("llama", gguf_permuted_qk=True),
+    "mistral": Architecture("llama"),
+    "qwen2": Architecture("qwen2"),
+    "qwen3": Architecture("qwen3"),
+}
+
+
+def check_architecture_name(name: str, shown: str | None = None) -> None:
+    """Refuse an architecture the registry does not know, before its config is read any further."""
+    if name not in ARCHITECTURES:
+        runs = ", ".join(sorted({a.family for a in ARCHITECTURES.values()}))
+        raise KvlabError(f"unsupported architecture '{shown or name}': kvlab runs {runs}")
+
+
+def architecture_of(config: ModelConfig) -> Architecture:
+    """The registry entry for `config`, after checking every layer is one the decoder computes exactly."""
+    check_architecture_name(config.architecture)
+    arch = ARCHITECTURES[config.architecture]
+    problem = _unsupported_feature(config)
+    if problem:
+        raise KvlabError(f"{config.name or config.architecture}: {problem}, which kvlab cannot run yet")
+    return arch
+
+
+def _unsupported_feature(config: ModelConfig) -> str | None:
+    if config.vocab_size is None:
+        return "the source gives no vocabulary size"
+    if config.max_position_embeddings is None:
+        return "the source gives no context length (max_position_embeddings)"
+    first = config.attention
+    for i, layer in enumerate(config.layers):
+        m, mlp = layer.mixer, layer.mlp
+        if not isinstance(m, Attention):
+            return f"layer {i} is {layer.label}"
+        if m.window:
+            return f"layer {i} has sliding-window attention ({m.window} tokens)"
+        if m.output_gate or m.sinks or m.o_bias or m.v_head_dim != m.head_dim:
+            return f"layer {i}'s attention has an output gate, sinks, an o_proj bias or a separate value size"
+        same = (m.num_heads, m.kv_heads, m.head_dim, m.qkv_bias, m.qk_norm, m.rope)
+        if same != (first.num_heads, first.kv_heads, first.head_dim, first.qkv_bias, first.qk_norm, first.rope):
+            return f"layer {i}'s attention differs in shape from layer 0's"
+        if not isinstance(mlp, DenseMLP) or not mlp.gated or mlp.bias or mlp.activation != "silu":
+            return f"layer {i}'s MLP is not a bias-free SwiGLU"
+        if mlp.intermediate_size != config.intermediate_size:
+            return f"layer {i}'s MLP differs in size from layer 0's"
+        if layer.norms != 2:
+            return f"layer {i} has {layer.norms} norms"
+    return None

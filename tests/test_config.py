@@ -1,0 +1,92 @@
+"""One description of a model: `kvlab mem` and the engine read the same ModelConfig, and agree on every fact.
+
+For every bundled config the engine can build, the model is made on the meta device (no memory) and
+its modules are compared with the description the calculator sizes; the ones it cannot build are
+refused in one line that names why. The real GGUF files are loaded for real (marked `real`).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvlab.config import bundled_names, load_config
+from kvlab.errors import KvlabError
+from kvlab.kv.cache import ContiguousKVCache
+from kvlab.memory import count_params, kv_bytes, kv_bytes_per_token
+from kvlab.model.registry import architecture_of
+from kvlab.model.transformer import Transformer
+
+
+def model_facts(model: Transformer) -> list[tuple]:
+    """What the built model holds, layer by layer: heads, kv heads, head size, biases, q/k norm, MLP size."""
+    return [
+        (layer.attn.num_heads, layer.attn.num_kv_heads, layer.attn.head_dim, layer.attn.qkv_proj.bias is not None,
+         layer.attn.q_norm is not None, layer.mlp.intermediate_size)
+        for layer in model.layers
+    ]  # fmt: skip
+
+
+def config_facts(config) -> list[tuple]:
+    return [
+        (m.num_heads, m.kv_heads, m.head_dim, m.qkv_bias, m.qk_norm, layer.mlp.intermediate_size)
+        for layer in config.layers
+        for m in [layer.mixer]
+    ]
+
+
+def distinct_params(model: torch.nn.Module) -> int:
+    return sum({id(p): p.numel() for p in model.parameters()}.values())
+
+
+def check_agreement(config, model: Transformer) -> None:
+    assert model_facts(model) == config_facts(config)
+    assert model.embed_tokens.weight.shape == (config.vocab_size, config.hidden_size)
+    assert (model.lm_head.weight is model.embed_tokens.weight) == config.tie_word_embeddings
+    assert distinct_params(model) == count_params(config).total  # the calculator's parameter count
+    cache = ContiguousKVCache.for_model(config, 64, dtype=torch.bfloat16, device="meta")
+    assert cache.nbytes() == kv_bytes(config, 64, kv_dtype="bfloat16")
+    assert cache.bytes_per_token() == kv_bytes_per_token(config, "bfloat16")
+
+
+@pytest.mark.parametrize("name", bundled_names())
+def test_every_bundled_config_is_built_as_the_calculator_describes_it_or_refused(name):
+    config = load_config(name)
+    try:
+        architecture_of(config)
+    except KvlabError as e:  # an architecture or layer kind the decoder does not compute
+        assert "\n" not in str(e) and ("unsupported architecture" in str(e) or "cannot run yet" in str(e))
+        return
+    with torch.device("meta"):
+        model = Transformer(config, max_positions=1)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight  # what loading does
+    check_agreement(config, model)
+
+
+def test_a_sliding_window_llama_is_refused_not_run_without_its_window():
+    config = load_config({"model_type": "mistral", "vocab_size": 100, "hidden_size": 64, "intermediate_size": 128,
+                          "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                          "sliding_window": 4096, "max_position_embeddings": 8192})  # fmt: skip
+    with pytest.raises(KvlabError, match="sliding-window attention"):
+        architecture_of(config)
+
+
+def test_gemma3_layers_carry_their_own_window_and_rotary_base():
+    config = load_config("gemma-3-27b")
+    kinds = [(layer.mixer.window, layer.mixer.rope.theta if layer.mixer.rope else None) for layer in config.layers]
+    assert kinds[:6] == [(1024, 10_000.0)] * 5 + [(None, None)]
+    assert config.rope.theta == 1_000_000.0 and config.rope.type == "linear" and config.rope.factor == 8.0
+    assert {layer.mlp.activation for layer in config.layers} == {"gelu_pytorch_tanh"}
+
+
+@pytest.mark.real
+@pytest.mark.parametrize("name", ["smollm2-135m", "qwen2.5-coder-0.5b"])
+def test_the_real_gguf_files_load_as_the_calculator_describes_them(real_model, name):
+    from kvlab.model.loader import load_model
+
+    path = real_model(name)
+    config = load_config(path)
+    loaded = load_model(path)
+    assert loaded.config == config  # the very same description, from the same reader
+    check_agreement(config, loaded.model)
