@@ -16,18 +16,17 @@ from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import dataclass
 
-import torch
 
+from kvlab.config import EngineConfig
 from kvlab.errors import KvlabError
 from kvlab.kv.manager import KVCacheManager, KVLedger
 from kvlab.kv.paged import PagedKVCache
+from kvlab.kv.pool_plan import KVPoolPlan, plan_kv_pool
 from kvlab.model.loader import LoadedModel
 from kvlab.output.processor import OutputState, StepOutput
 from kvlab.output.result import RequestOutput
 from kvlab.request import Request, RequestStatus
-from kvlab.runner.memory_plan import KVPoolPlan, plan_kv_pool
 from kvlab.runner.model_runner import ModelRunner
 from kvlab.runner.single import Engine, Session, check_token_ids, common_prefix_len, peak_memory_bytes  # noqa: F401
 from kvlab.sampling.params import SamplingParams
@@ -35,35 +34,19 @@ from kvlab.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from kvlab.stats import STEP_PHASES, EngineStats
 
 
-@dataclass(frozen=True)
-class EngineConfig:
-    """How the serving engine is sized. None means: the model's context / a share of free memory."""
-
-    max_model_len: int | None = None
-    block_size: int = 16
-    kv_memory_bytes: int | None = None
-    kv_memory_fraction: float | None = None
-    max_num_seqs: int = 32
-    max_num_batched_tokens: int = 512
-    enable_prefix_caching: bool = True
-    use_cache: bool = True  # False: recompute every token every step (the KV cache's counterfactual)
-    pack_prompts: bool = True  # prompt chunks in the decodes' forward (True) or in forwards of their own
-
-
 class LLMEngine:
     def __init__(self, loaded: LoadedModel, tokenizer=None, config: EngineConfig | None = None):
         config = config or EngineConfig()
         self.config, self.loaded, self.tokenizer = config, loaded, tokenizer
         model, model_config = loaded.model, loaded.config
-        context = config.max_model_len or model_config.max_position_embeddings
-        self.max_model_len = min(context, model.rotary.cos.shape[0])
         # the model's end-of-sequence ids and the tokenizer's (end-of-turn tokens, generation_config's)
         eos = set(model_config.eos_token_ids) | set(tokenizer.eos_token_ids if tokenizer else ())
         self.eos_token_ids: tuple[int, ...] = tuple(sorted(eos))
-        self.pool_plan: KVPoolPlan = plan_kv_pool(
-            model_config, model.dtype, model.device, config.block_size, self.max_model_len,
-            config.kv_memory_bytes, config.kv_memory_fraction, config.max_num_seqs,
-        )  # fmt: skip
+        self.pool_plan: KVPoolPlan = plan_kv_pool(config, model_config, model.dtype, model.device)
+        self.max_model_len = self.pool_plan.max_model_len
+        if model.rotary.cos.shape[0] < self.max_model_len:
+            raise KvlabError(f"the model was loaded with rotary tables for {model.rotary.cos.shape[0]} positions, "
+                             f"fewer than max_model_len {self.max_model_len}: load it with max_positions")  # fmt: skip
         num_blocks = self.pool_plan.num_blocks
         self.cache = PagedKVCache.for_model(model_config, num_blocks, config.block_size, model.dtype, model.device)
         prefix_caching = config.enable_prefix_caching and config.use_cache

@@ -20,7 +20,8 @@ from typing import Any, Union
 
 import torch
 
-from kvlab.engine import EngineConfig, LLMEngine
+from kvlab.config import EngineConfig
+from kvlab.engine import LLMEngine
 from kvlab.errors import KvlabError
 from kvlab.model.loader import load_model
 from kvlab.output.result import RequestOutput

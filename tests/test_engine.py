@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from kvlab import LLM, SamplingParams
 from kvlab.output.result import RequestMetrics

@@ -64,7 +64,7 @@ def test_all_writes_every_file_and_key(lab_run):
     report = (out / "report.md").read_text()
     for name in EXPERIMENTS:
         module = experiment_module(name)
-        assert f"## " in report and module.TITLE in report, name
+        assert "## " in report and module.TITLE in report, name
         assert module.verdict(results["experiments"][name]) in report
         assert (f"({name}.png)" in report) == (name in PLOTS)
     assert report.count("**Here.**") == len(EXPERIMENTS)

@@ -7,6 +7,7 @@
 No module here imports torch.
 """
 
+from kvlab.config.engine import EngineConfig
 from kvlab.config.hf import config_from_hf
 from kvlab.config.layers import MLA, Attention, DenseMLP, GatedDeltaNet, Layer, Mamba2, Mixer, MoE
 from kvlab.config.model import FileWeights, ModelConfig, ParamCounts, QuantScheme
@@ -14,7 +15,7 @@ from kvlab.config.rope import RopeConfig
 from kvlab.config.sources import bundled_dir, bundled_names, load_config, read_json
 
 __all__ = [
-    "Attention", "DenseMLP", "FileWeights", "GatedDeltaNet", "Layer", "MLA", "Mamba2", "Mixer", "ModelConfig",
+    "Attention", "DenseMLP", "EngineConfig", "FileWeights", "GatedDeltaNet", "Layer", "MLA", "Mamba2", "Mixer", "ModelConfig",
     "MoE", "ParamCounts", "QuantScheme", "RopeConfig", "bundled_dir", "bundled_names", "config_from_hf",
     "load_config", "read_json",
 ]

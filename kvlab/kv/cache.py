@@ -11,8 +11,13 @@ paged cache (`kv/paged.py`) splits a step's packed tokens into groups (all decod
 each prompt chunk alone) and reads each group's keys through its block table.
 
 A forward pass is described by `AttentionMetadata`, built once by whoever drives the model
-(`cache.plan(num_new_tokens)` for the caches here, the ModelRunner for the paged one), shared by all
-layers, then `cache.commit(meta)` once the pass is done.
+(`cache.plan(num_new_tokens)` for the caches here; the ModelRunner builds the paged cache's own
+`PagedMetadata`), shared by all layers, then `cache.commit(meta)` once the pass is done.
+
+A cache class owns its storage facts: `bytes_per_token_for(config, dtype)` says what one token costs
+in its layout before anything is allocated (the KV pool is planned from it), and an allocated cache
+answers `bytes_per_token()`, `nbytes()` and lists the tensors it holds (`tensors()`), so a format
+that adds scale tensors changes this file's classes, not their callers.
 """
 
 from __future__ import annotations
@@ -59,10 +64,28 @@ def build_metadata(start: int, num_new: int, batch_size: int, device: torch.devi
     return AttentionMetadata(positions=positions, start=start, attn_mask=mask)
 
 
+def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
+    """K and V of every layer for one token, stored as `dtype`: 2 × layers × kv heads × head dim × size."""
+    return 2 * config.num_layers * config.num_kv_heads * config.head_dim * dtype.itemsize
+
+
 class KVCache(ABC):
     """Where attention layers keep the keys and values of tokens already processed."""
 
     num_layers: int
+
+    @classmethod
+    def bytes_per_token_for(cls, config, dtype: torch.dtype) -> int:
+        """Bytes one token of one sequence takes in this cache's layout (all layers, K and V, any scales)."""
+        return kv_bytes_per_token(config, dtype)
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor the cache holds (K, V and, for a quantized layout, their scales)."""
+        return []
+
+    def nbytes(self) -> int:
+        """Bytes allocated, whether used or not."""
+        return sum(t.numel() * t.element_size() for t in self.tensors())
 
     @abstractmethod
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
@@ -126,18 +149,16 @@ class ContiguousKVCache(SingleBatchKVCache):
     def device(self) -> torch.device:
         return self.k[0].device
 
+    def tensors(self) -> list[torch.Tensor]:
+        return self.k + self.v
+
     def numel(self) -> int:
         """Numbers allocated (all layers, K and V)."""
-        return sum(t.numel() for t in self.k + self.v)
-
-    def nbytes(self) -> int:
-        """Bytes allocated, whether used or not."""
-        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+        return sum(t.numel() for t in self.tensors())
 
     def bytes_per_token(self) -> int:
         """Bytes one token of one sequence takes across all layers (K and V)."""
-        k = self.k[0]
-        return 2 * self.num_layers * k.shape[1] * k.shape[3] * k.element_size()
+        return sum(t[0, :, 0].numel() * t.element_size() for t in self.tensors())
 
     def used_bytes(self) -> int:
         """Bytes holding valid tokens (every sequence of the batch)."""

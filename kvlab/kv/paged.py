@@ -17,7 +17,7 @@ New keys and values are written first, through the slot mapping, so a group read
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -41,11 +41,12 @@ class AttentionGroup:
 
 
 @dataclass
-class PagedMetadata(AttentionMetadata):
-    """A step's packed tokens: positions [1, N], where each one is written, and the attention groups."""
+class PagedMetadata:
+    """A step's packed tokens: where each one sits, where its K/V is written, and who attends to what."""
 
-    slot_mapping: torch.Tensor | None = None  # [N] long: the slot each new token's K/V is written to
-    groups: list[AttentionGroup] = field(default_factory=list)
+    positions: torch.Tensor  # [1, N] long: absolute position of each packed token (its RoPE angle)
+    slot_mapping: torch.Tensor  # [N] long: the slot each new token's K/V is written to
+    groups: list[AttentionGroup]  # in packed order, covering tokens 0..N-1 once
 
 
 class PagedKVCache(KVCache):
@@ -75,15 +76,16 @@ class PagedKVCache(KVCache):
     def device(self) -> torch.device:
         return self.k[0].device
 
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor of the pool; each is indexed by block first, so a block operation touches all of them."""
+        return self.k + self.v
+
     def bytes_per_token(self) -> int:
         """Bytes one token takes across all layers (K and V)."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.k[0].element_size()
+        return self.bytes_per_block() // self.block_size
 
     def bytes_per_block(self) -> int:
-        return self.bytes_per_token() * self.block_size
-
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+        return sum(t[0].numel() * t.element_size() for t in self.tensors())
 
     # ---- writes and reads -------------------------------------------------------------------------
 
@@ -128,8 +130,8 @@ class PagedKVCache(KVCache):
         for op in ops:
             if isinstance(op, BlockZero):
                 blocks = torch.tensor(op.block_ids, dtype=torch.long, device=self.device)
-                for t in self.k + self.v:
+                for t in self.tensors():
                     t.index_fill_(0, blocks, 0)
             else:
-                for t in self.k + self.v:
+                for t in self.tensors():
                     t[op.dst, : op.num_tokens] = t[op.src, : op.num_tokens]

@@ -139,7 +139,7 @@ def footer(data: dict) -> str:
 
 def commands(results: dict) -> list[str]:
     """Each command that measured some of these results, with the experiments it measured."""
-    from kvlab.lab import EXPERIMENTS, experiment_module
+    from kvlab.lab import EXPERIMENTS
 
     by_command: dict[str, list[str]] = {}
     for name in EXPERIMENTS:

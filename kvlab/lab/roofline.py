@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvlab.kv.cache import ContiguousKVCache
 from kvlab.lab.common import Lab, Timing, meminfo_bytes, time_decode, time_prefill
 from kvlab.lab.report import gb, held, md_table, num, pct, spread
-from kvlab.model.layers import Linear
 
 NAME = "roofline"
 TITLE = "The memory wall: bandwidth, FLOP/s and arithmetic intensity"
@@ -74,20 +74,14 @@ def measure_bandwidth(lab: Lab) -> Bandwidth:
     return Bandwidth(size, timing, size / timing.median_s / 1e9, size / timing.min_s / 1e9)
 
 
-def matmul_params(model) -> tuple[int, int]:
-    """(weights of every layer's linear maps, weights of the LM head): each is one multiply-add per token."""
-    layers = sum(m.weight.numel() for m in model.layers.modules() if isinstance(m, Linear))
-    return layers, model.lm_head.weight.numel()
-
-
 def pass_cost(lab: Lab, name: str, new: int, context: int, timing: Timing) -> PhaseCost:
     """FLOPs and bytes of a forward over `new` tokens after `context` cached ones (logits of the last only)."""
     c = lab.config
-    layers, head = matmul_params(lab.model)
+    layers, head = lab.model.matmul_macs_per_token()
     pairs = new * context + new * (new + 1) / 2  # (query, key) pairs a causal pass scores
     attention = 4 * c.num_layers * c.num_heads * c.head_dim * pairs  # q·k and weights·v, 2 FLOPs each
     flops = 2 * layers * new + 2 * head + attention
-    kv_per_token = 2 * c.num_layers * c.num_kv_heads * c.head_dim * lab.model.dtype.itemsize
+    kv_per_token = ContiguousKVCache.bytes_per_token_for(c, lab.model.dtype)  # the lab's caches are contiguous
     bytes_read = lab.loaded.decode_weight_bytes() + kv_per_token * (context + new)
     seconds = timing.median_s
     return PhaseCost(name, new, context, timing, flops, bytes_read, flops / seconds, bytes_read / seconds,

@@ -1,4 +1,10 @@
-"""Building blocks of the decoder: RMSNorm, a linear layer with a fast small-batch path, SwiGLU MLP."""
+"""Building blocks of the decoder: RMSNorm, the embedding table, the linear layer, SwiGLU MLP.
+
+The linear layer is a seam: every product with a weight matrix goes through one (never a slice of its
+weight taken from outside), and each layer reports the bytes it holds and the bytes a token's pass
+reads from it, so the model's weight bytes, the roofline and the memory plan ask the layers, not
+`parameters()`. A packed weight format is another implementation of the same three methods.
+"""
 
 from __future__ import annotations
 
@@ -26,22 +32,75 @@ class RMSNorm(nn.Module):
         normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * normed.to(x.dtype)  # 16-bit: round, then scale (transformers' order)
 
+    def nbytes(self) -> int:
+        return tensor_bytes(self.weight)
+
+    def bytes_read_per_token(self) -> int:
+        return self.nbytes()
+
+
+def tensor_bytes(*tensors: torch.Tensor | None) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+class Embedding(nn.Module):
+    """The token embedding table [vocab, hidden]: a pass reads one row per token."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_embeddings, embedding_dim), requires_grad=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.weight)
+
+    def nbytes(self) -> int:
+        """Bytes held."""
+        return tensor_bytes(self.weight)
+
+    def bytes_read_per_token(self) -> int:
+        return self.weight.shape[1] * self.weight.element_size()
+
 
 class Linear(nn.Module):
-    """y = x Wᵀ (+ b). W [out, in] as in the checkpoints.
+    """y = x Wᵀ (+ b). W [out, in] as in the checkpoints; `parts` names the output sizes of a fused one.
 
     Goes through `kvlab.kernels.linear`, which streams the weights with a GEMV kernel when only a few
     rows come in on a CPU (decode) and uses the BLAS matmul otherwise (prefill, CUDA).
     """
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, parts: tuple[int, ...] = ()):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
+        self.parts = parts or (out_features,)  # fused q/k/v or gate/up: the sizes of what it stacks
+        assert sum(self.parts) == out_features, (self.parts, out_features)
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias)
+
+    def forward_parts(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The products of a fused matrix, one per part: [..., part] each."""
+        if x.device.type == "cpu" and x.numel() // x.shape[-1] > MAX_ROWS:
+            # a prompt on a CPU: one BLAS product per part ran 4-7% faster than one over the whole
+            # fused matrix (SmolLM2's gate/up, 256 and 1,024 tokens, measured side by side)
+            weights = self.weight.split(self.parts)
+            biases = self.bias.split(self.parts) if self.bias is not None else [None] * len(self.parts)
+            return tuple(F.linear(x, w, b) for w, b in zip(weights, biases))
+        return self(x).split(self.parts, dim=-1)  # decode: one streaming pass over the whole matrix
+
+    def nbytes(self) -> int:
+        """Bytes held: the weight and the bias as stored."""
+        return tensor_bytes(self.weight, self.bias)
+
+    def bytes_read_per_token(self) -> int:
+        """Bytes one decode step reads from this layer: all of it."""
+        return self.nbytes()
+
+    @property
+    def macs_per_token(self) -> int:
+        """Multiply-adds per input row: one per weight."""
+        return self.in_features * self.out_features
 
 
 class SwiGLU(nn.Module):
@@ -50,16 +109,9 @@ class SwiGLU(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int):
         super().__init__()
         self.intermediate_size = intermediate_size
-        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size)
+        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, parts=(intermediate_size, intermediate_size))
         self.down_proj = Linear(intermediate_size, hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        I = self.intermediate_size
-        if x.device.type == "cpu" and x.numel() // x.shape[-1] > MAX_ROWS:
-            # a prompt on a CPU: two BLAS products over the halves of the matrix ran 4-7% faster than
-            # one twice as wide (SmolLM2, 256 and 1,024 tokens, measured side by side)
-            w = self.gate_up_proj.weight
-            gate, up = F.linear(x, w[:I]), F.linear(x, w[I:])
-        else:  # decode: one streaming pass over the whole matrix
-            gate, up = self.gate_up_proj(x).split(I, dim=-1)  # [B, T, I] each
+        gate, up = self.gate_up_proj.forward_parts(x)  # [B, T, I] each
         return self.down_proj(F.silu(gate) * up)

@@ -29,18 +29,12 @@ class LoadedModel:
 
     @property
     def weight_bytes(self) -> int:
-        """Bytes of every distinct parameter tensor in memory (a tied matrix counts once)."""
-        seen = {p.data_ptr(): p.numel() * p.element_size() for p in self.model.parameters()}
-        return sum(seen.values())
+        """Bytes of weights held in memory (a tied matrix counts once), as the layers report them."""
+        return self.model.weight_bytes()
 
     def decode_weight_bytes(self) -> int:
-        """Weight bytes one decode step streams: all but the embedding table, of which one row is read.
-
-        With tied embeddings the matrix is still read whole, as the LM head.
-        """
-        embed = self.model.embed_tokens.weight
-        tied = self.model.lm_head.weight is embed
-        return self.weight_bytes - (0 if tied else embed.numel() * embed.element_size())
+        """Weight bytes one decode step streams, as the layers report them (see Transformer.decode_read_bytes)."""
+        return self.model.decode_read_bytes()
 
 
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:

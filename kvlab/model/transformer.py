@@ -13,7 +13,7 @@ from torch import nn
 from kvlab.config import ModelConfig
 from kvlab.kv.cache import AttentionMetadata, KVCache
 from kvlab.model.attention import ATTENTION_BACKENDS, sdpa_attention
-from kvlab.model.layers import Linear, RMSNorm, SwiGLU
+from kvlab.model.layers import Embedding, Linear, RMSNorm, SwiGLU
 from kvlab.model.rope import RotaryEmbedding, apply_rotary
 
 
@@ -25,8 +25,8 @@ class Attention(nn.Module):
         self.layer_index = layer_index
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.split_sizes = [q_size, kv_size, kv_size]
-        self.qkv_proj = Linear(config.hidden_size, q_size + 2 * kv_size, bias=config.qkv_bias)
+        self.qkv_proj = Linear(config.hidden_size, q_size + 2 * kv_size, bias=config.qkv_bias,
+                               parts=(q_size, kv_size, kv_size))
         self.o_proj = Linear(q_size, config.hidden_size)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
@@ -68,10 +68,7 @@ class Transformer(nn.Module):
     def __init__(self, config: ModelConfig, max_positions: int | None = None):
         super().__init__()
         self.config = config
-        # given an empty weight, nn.Embedding skips its random init (seconds, for nothing: weights load next)
-        self.embed_tokens = nn.Embedding(
-            config.vocab_size, config.hidden_size, _weight=torch.empty(config.vocab_size, config.hidden_size), _freeze=True
-        )
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         # tied models reuse the embedding matrix as the LM head (set when weights load)
@@ -86,6 +83,30 @@ class Transformer(nn.Module):
             raise ValueError(f"unknown attention '{name}': {', '.join(ATTENTION_BACKENDS)}")
         for layer in self.layers:
             layer.attn.attend = ATTENTION_BACKENDS[name]
+
+    # ---- what the weights cost, asked of the layers ---------------------------------------------
+
+    def weight_layers(self) -> list[nn.Module]:
+        """Every module holding weights, each once (a tied LM head is the embedding's matrix)."""
+        modules = [m for m in self.modules() if isinstance(m, (Embedding, Linear, RMSNorm))]
+        if self.lm_head.weight is self.embed_tokens.weight:
+            modules.remove(self.lm_head)
+        return modules
+
+    def weight_bytes(self) -> int:
+        """Bytes of weights held in memory."""
+        return sum(m.nbytes() for m in self.weight_layers())
+
+    def decode_read_bytes(self) -> int:
+        """Weight bytes one decode step of one sequence reads: every layer whole, one embedding row, and
+        the LM head whole (with tied embeddings that is the embedding matrix, read as the head)."""
+        layers = [m for m in self.modules() if isinstance(m, (Linear, RMSNorm))]  # the tied head included
+        return sum(m.bytes_read_per_token() for m in layers) + self.embed_tokens.bytes_read_per_token()
+
+    def matmul_macs_per_token(self) -> tuple[int, int]:
+        """(multiply-adds of every decoder layer's linear maps, of the LM head) for one token."""
+        layers = sum(m.macs_per_token for m in self.layers.modules() if isinstance(m, Linear))
+        return layers, self.lm_head.macs_per_token
 
     @property
     def device(self) -> torch.device:
@@ -103,6 +124,9 @@ class Transformer(nn.Module):
         logits_index: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """input_ids [B, T] → logits [B, V] for the last new token of each sequence.
+
+        `meta` is the cache's description of this pass (AttentionMetadata, or the paged cache's
+        PagedMetadata); the model reads only its `positions` [B, T] and hands it to the cache.
 
         `logits_index` [N] picks other positions instead (logits [B, N, V]); the LM head, the
         largest matrix of a small model, only ever runs on the positions that need logits.

@@ -90,9 +90,7 @@ class ModelRunner:
             groups.append(self._chunk_group(c, lo))
             lo += c.num_new_tokens
         tensor = lambda x: torch.tensor(x, dtype=torch.long, device=self.device)  # noqa: E731
-        meta = PagedMetadata(
-            positions=tensor([positions]), start=0, slot_mapping=tensor(slots), groups=groups
-        )  # fmt: skip
+        meta = PagedMetadata(positions=tensor([positions]), slot_mapping=tensor(slots), groups=groups)
         return ModelInputs(tensor([ids]), meta, tensor(logits_index), sampling)
 
     def _decode_group(self, decodes: list[ScheduledChunk]) -> AttentionGroup:

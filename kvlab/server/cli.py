@@ -132,16 +132,17 @@ def print_plan(args, options: dict, file=None):
     """Print the plan before loading (to stderr); return the KV pool plan and the weight bytes expected."""
     import torch
 
+    from kvlab.config import EngineConfig
+    from kvlab.kv.pool_plan import plan_kv_pool
     from kvlab.memory import weight_bytes
     from kvlab.model.loader import parse_dtype
-    from kvlab.runner.memory_plan import plan_kv_pool
 
     file = file or sys.stderr
     config, _ = read_config(str(args.model))
     dtype = parse_dtype(args.dtype)
-    max_len = min(args.max_model_len or config.max_position_embeddings, config.max_position_embeddings)
-    plan = plan_kv_pool(config, dtype, torch.device(args.device), options["block_size"], max_len,
-                        options["kv_memory_bytes"], options["kv_memory_fraction"], options["max_num_seqs"])  # fmt: skip
+    plan = plan_kv_pool(EngineConfig(max_model_len=args.max_model_len, **options), config, dtype,
+                        torch.device(args.device))  # the engine plans with the same call once loaded
+    max_len = plan.max_model_len
     try:
         weights = weight_bytes(config, fmt=args.dtype).bytes
     except KvlabError:

@@ -1,6 +1,7 @@
 """How big the KV pool is: from `--kv-memory` bytes, or a fraction of the memory free right now.
 
-    bytes per token = 2 (K, V) × layers × kv_heads × head_dim × bytes per number
+    bytes per token = what the cache class says one token costs (plain K and V: 2 × layers × kv heads
+                      × head dim × bytes per number)
     blocks          = budget // (bytes per token × block_size)
     max concurrency = blocks × block_size ÷ max_model_len   (sequences that fit at full context)
 """
@@ -11,7 +12,9 @@ from dataclasses import dataclass
 
 import torch
 
+from kvlab.config import EngineConfig, ModelConfig
 from kvlab.errors import KvlabError
+from kvlab.kv.paged import PagedKVCache
 
 DEFAULT_KV_FRACTION = 0.2  # of free memory, when --kv-memory is not given
 
@@ -19,8 +22,9 @@ DEFAULT_KV_FRACTION = 0.2  # of free memory, when --kv-memory is not given
 @dataclass(frozen=True)
 class KVPoolPlan:
     block_size: int
-    bytes_per_token: int
+    bytes_per_token: int  # in the cache class's layout (scales included)
     num_blocks: int
+    max_model_len: int  # tokens one sequence may hold
     source: str  # where the budget came from, in words
 
     @property
@@ -56,31 +60,30 @@ def free_memory_bytes(device: torch.device) -> int:
 
 
 def plan_kv_pool(
-    config,
-    dtype: torch.dtype,
-    device: torch.device,
-    block_size: int,
-    max_model_len: int,
-    kv_memory_bytes: int | None = None,
-    kv_memory_fraction: float | None = None,
-    max_num_seqs: int = 1,
+    config: EngineConfig, model: ModelConfig, dtype: torch.dtype, device: torch.device, cache_cls=PagedKVCache
 ) -> KVPoolPlan:
-    """The pool's size. Without an explicit byte count: `kv_memory_fraction` of free memory (default 0.2),
-    but no more than `max_num_seqs` sequences at full context need."""
+    """The pool's size for an EngineConfig `config` running `model` in `dtype` on `device`.
+
+    Without an explicit byte count (`kv_memory_bytes`): `kv_memory_fraction` of free memory (default
+    0.2), but no more than `max_num_seqs` sequences at full context need. Bytes per token are the cache
+    class's own (`cache_cls.bytes_per_token_for`, the paged cache by default).
+    """
+    block_size, max_model_len = config.block_size, config.context_len(model)
     if block_size < 1:
         raise KvlabError(f"--block-size must be at least 1, got {block_size}")
-    per_token = 2 * config.num_layers * config.num_kv_heads * config.head_dim * torch.finfo(dtype).bits // 8
+    per_token = cache_cls.bytes_per_token_for(model, dtype)
     per_block = per_token * block_size
-    if kv_memory_bytes is not None:
-        budget, source = kv_memory_bytes, "--kv-memory"
+    if config.kv_memory_bytes is not None:
+        budget, source = config.kv_memory_bytes, "--kv-memory"
     else:
-        fraction = DEFAULT_KV_FRACTION if kv_memory_fraction is None else kv_memory_fraction
+        fraction = DEFAULT_KV_FRACTION if config.kv_memory_fraction is None else config.kv_memory_fraction
         if not 0 < fraction <= 1:
             raise KvlabError(f"--kv-memory-fraction must be in (0, 1], got {fraction}")
         free = free_memory_bytes(device)
-        wanted = max_num_seqs * -(-max_model_len // block_size) * per_block
+        wanted = config.max_num_seqs * -(-max_model_len // block_size) * per_block
         budget = min(int(fraction * free), wanted)
-        source = f"min({fraction:g} × {free / 2**30:.1f} GiB free, {max_num_seqs} sequences × {max_model_len} tokens)"
+        source = (f"min({fraction:g} × {free / 2**30:.1f} GiB free, {config.max_num_seqs} sequences × "
+                  f"{max_model_len} tokens)")  # fmt: skip
     num_blocks = budget // per_block
     if num_blocks * block_size < max_model_len:
         raise KvlabError(
@@ -88,4 +91,4 @@ def plan_kv_pool(
             f"sequence of {max_model_len} tokens ({per_token} bytes per token): give more --kv-memory "
             f"or a smaller --max-model-len"
         )
-    return KVPoolPlan(block_size, per_token, num_blocks, source)
+    return KVPoolPlan(block_size, per_token, num_blocks, max_model_len, source)

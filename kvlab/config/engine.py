@@ -1,0 +1,35 @@
+"""EngineConfig: how the serving engine is sized and what it keeps, chosen by the user (flags, LLM options)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvlab.config.model import ModelConfig
+from kvlab.errors import KvlabError
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How the serving engine is sized. None means: the model's context / a share of free memory."""
+
+    max_model_len: int | None = None
+    block_size: int = 16
+    kv_memory_bytes: int | None = None
+    kv_memory_fraction: float | None = None
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 512
+    enable_prefix_caching: bool = True
+    use_cache: bool = True  # False: recompute every token every step (the KV cache's counterfactual)
+    pack_prompts: bool = True  # prompt chunks in the decodes' forward (True) or in forwards of their own
+
+    def context_len(self, model: ModelConfig) -> int:
+        """Tokens a sequence may hold: --max-model-len, or the model's trained context; never more than that."""
+        trained = model.max_position_embeddings
+        if self.max_model_len is None:
+            return trained
+        if self.max_model_len > trained:
+            raise KvlabError(
+                f"--max-model-len {self.max_model_len:,} is longer than the model's context of {trained:,} "
+                f"tokens (max_position_embeddings): give at most {trained:,}"
+            )
+        return self.max_model_len
