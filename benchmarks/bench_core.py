@@ -4,8 +4,10 @@
 
 Measures, alternating the two engines so that machine drift hits both:
   - read bandwidth: sum over a large tensor (median of several)
-  - decode tok/s: 32 greedy tokens after a 64-token prompt (kvlab: Engine; transformers: generate())
-  - prefill tok/s at 256 and 1024 tokens (one forward, logits of the last position only)
+  - decode tok/s: 32 greedy tokens after a 64-token prompt (kvlab: LLMEngine, the serving engine
+    every user-facing path runs; transformers: generate())
+  - prefill tok/s at 256 and 1024 tokens (one forward, logits of the last position only; kvlab: the
+    same engine's prefill of a one-token request, prefix caching off so every run computes it all)
 and prints medians (min–max), kvlab/transformers ratios, and decode's share of the bandwidth
 roofline: weight bytes one decode step reads ÷ step time ÷ bandwidth. Warm-up runs are excluded.
 
@@ -32,11 +34,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvlab import SamplingParams  # noqa: E402
-from kvlab.engine import Engine  # noqa: E402
+from kvlab.config import EngineConfig  # noqa: E402
+from kvlab.engine import LLMEngine  # noqa: E402
 from kvlab.hub import resolve_model  # noqa: E402
-from kvlab.kv.cache import ContiguousKVCache  # noqa: E402
 from kvlab.model.loader import load_model  # noqa: E402
-from kvlab.output.result import RequestMetrics  # noqa: E402
+from kvlab.output.result import RequestOutput  # noqa: E402
 
 
 def median_min_max(xs):
@@ -84,13 +86,25 @@ def prompt_ids(n: int, vocab: int) -> list[int]:
     return torch.randint(100, min(vocab, 30000), (n,), generator=g).tolist()
 
 
-def kvlab_decode(engine: Engine, ids: list[int], steps: int) -> float:
+def kvlab_request(engine: LLMEngine, ids: list[int], max_tokens: int) -> RequestOutput:
+    """One greedy request through the serving engine, alone, to its end."""
+    out = RequestOutput(prompt=None, prompt_token_ids=list(ids))
+    engine.add_request(ids, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True), output=out)
+    while engine.has_unfinished_requests:
+        engine.step()
+    return out
+
+
+def kvlab_decode(engine: LLMEngine, ids: list[int], steps: int) -> float:
     """Decode tok/s after the prompt: (steps - 1) tokens over the time from first to last token."""
-    m = RequestMetrics()
-    params = SamplingParams(max_tokens=steps, temperature=0, ignore_eos=True)
-    for _ in engine.generate(ids, params, m):
-        pass
-    return m.decode_tok_s
+    return kvlab_request(engine, ids, steps).metrics.decode_tok_s
+
+
+def kvlab_prefill(engine: LLMEngine, ids: list[int]) -> float:
+    """Prompt tokens per second of the step that prefilled them (the prompt fits one step's budget)."""
+    m = kvlab_request(engine, ids, 1).metrics
+    assert m.prefill_chunks == 1 and m.cached_prompt_tokens == 0, "the prompt must be one uncached chunk"
+    return len(ids) / m.prefill_compute_s
 
 
 def hf_decode(model, ids: list[int], steps: int) -> float:
@@ -111,14 +125,6 @@ def hf_decode(model, ids: list[int], steps: int) -> float:
             min_new_tokens=steps, do_sample=False, stopping_criteria=[Stamp()], pad_token_id=0,
         )  # fmt: skip
     return (len(stamps) - 1) / (stamps[-1] - stamps[0])
-
-
-def kvlab_prefill(loaded, ids: list[int]) -> float:
-    cache = ContiguousKVCache.for_model(loaded.config, len(ids), dtype=loaded.model.dtype, device=DEVICE)
-    with torch.inference_mode():
-        t = time.perf_counter()
-        loaded.model(tensor(ids), cache, cache.plan(len(ids))).argmax().item()
-        return len(ids) / (time.perf_counter() - t)
 
 
 def hf_prefill(model, ids: list[int]) -> float:
@@ -154,15 +160,17 @@ def main() -> int:
         hf = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype)
     hf = hf.to(DEVICE).eval()
     ours = load_model(path, dtype=args.dtype, device=DEVICE)
-    engine = Engine(ours, max_model_len=4096)
+    # one sequence at a time, a pool for one 2,048-token sequence, each prompt in one step
+    engine = LLMEngine(ours, None, EngineConfig(max_model_len=2048, max_num_seqs=1, max_num_batched_tokens=2048,
+                                                 enable_prefix_caching=False))
     vocab = ours.config.vocab_size
     decode_prompt = prompt_ids(args.decode_context, vocab)
 
     results = {"kvlab": {}, "transformers": {}}
     runs = {
         "decode_tok_s": (lambda: kvlab_decode(engine, decode_prompt, 33), lambda: hf_decode(hf, decode_prompt, 33)),
-        "prefill_256_tok_s": (lambda: kvlab_prefill(ours, prompt_ids(256, vocab)), lambda: hf_prefill(hf, prompt_ids(256, vocab))),
-        "prefill_1024_tok_s": (lambda: kvlab_prefill(ours, prompt_ids(1024, vocab)), lambda: hf_prefill(hf, prompt_ids(1024, vocab))),
+        "prefill_256_tok_s": (lambda: kvlab_prefill(engine, prompt_ids(256, vocab)), lambda: hf_prefill(hf, prompt_ids(256, vocab))),
+        "prefill_1024_tok_s": (lambda: kvlab_prefill(engine, prompt_ids(1024, vocab)), lambda: hf_prefill(hf, prompt_ids(1024, vocab))),
     }  # fmt: skip
     bandwidth = read_bandwidth()
     for name, (ours_fn, hf_fn) in runs.items():

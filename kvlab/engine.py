@@ -7,9 +7,6 @@
 `step()` is the whole engine: schedule → prepare inputs → forward → sample → update and detokenize,
 each timed (`stats`). Callers add requests and call `step()` until `has_unfinished_requests` is
 False: the offline `LLM` does it in its own thread, the server in an engine thread.
-
-The single-sequence reference engine (`Engine`, `Session`) lives in `kvlab.runner.single` and is
-re-exported here for the lab and the core benchmark.
 """
 
 from __future__ import annotations
@@ -26,12 +23,11 @@ from kvlab.kv.pool_plan import KVPoolPlan, plan_kv_pool
 from kvlab.model.loader import LoadedModel
 from kvlab.output.processor import OutputState, StepOutput
 from kvlab.output.result import RequestOutput
-from kvlab.request import Request, RequestStatus
+from kvlab.request import Request, RequestStatus, check_token_ids
 from kvlab.runner.model_runner import ModelRunner
-from kvlab.runner.single import Engine, Session, check_token_ids, common_prefix_len, peak_memory_bytes  # noqa: F401
 from kvlab.sampling.params import SamplingParams
 from kvlab.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from kvlab.stats import STEP_PHASES, EngineStats
+from kvlab.stats import STEP_PHASES, EngineStats, peak_memory_bytes
 
 
 class LLMEngine:

@@ -18,7 +18,17 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from kvlab.errors import KvlabError
 from kvlab.sampling.params import SamplingParams
+
+
+def check_token_ids(prompt_ids: list[int], vocab_size: int) -> None:
+    """Raise KvlabError for an empty prompt or a token id outside the vocabulary (every engine's rule)."""
+    if not prompt_ids:
+        raise KvlabError("the prompt is empty: give at least one token")
+    bad = [t for t in prompt_ids if not (isinstance(t, int) and 0 <= t < vocab_size)]
+    if bad:
+        raise KvlabError(f"token id {bad[0]} is outside the vocabulary (0..{vocab_size - 1})")
 
 
 class RequestStatus(enum.Enum):

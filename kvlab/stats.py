@@ -8,6 +8,7 @@ read from the scheduler and the block pool when asked, not kept here.
 from __future__ import annotations
 
 import bisect
+import resource
 import threading
 from dataclasses import dataclass, field
 
@@ -80,3 +81,12 @@ class EngineStats:
             if metrics.generated_tokens > 1:
                 self.tpot.observe(metrics.tpot_s)
             self.e2e.observe(metrics.ttft_s + metrics.decode_s)
+
+
+def peak_memory_bytes(device) -> int:
+    """The process's peak resident memory on a CPU; the peak allocated on a CUDA device (a torch.device)."""
+    if device.type == "cuda":
+        import torch
+
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB

@@ -12,7 +12,10 @@ import pytest
 import torch
 
 from kvlab import LLM, SamplingParams
-from kvlab.engine import Engine, EngineConfig, LLMEngine
+from kvlab.config import EngineConfig
+from kvlab.engine import LLMEngine
+from kvlab.reference import ReferenceEngine
+from kvlab.runner.driver import ModelDriver
 from kvlab.kv.cache import ContiguousKVCache
 from kvlab.model.loader import load_model
 from kvlab.output.result import RequestMetrics
@@ -67,7 +70,7 @@ def test_logits_on_cuda_match_transformers(pair):
     with torch.inference_mode():
         expected = ref(ids).logits
         cache = ContiguousKVCache.for_model(ours.config, 64, device="cuda")
-        got = ours.model(ids, cache, cache.plan(40), logits_index=torch.arange(40, device="cuda"))
+        got = ModelDriver(ours.model).run(ids, cache, logits_index=torch.arange(40, device="cuda"))
     assert got.device.type == "cuda"
     assert (got - expected).abs().max().item() < 1e-4, kind
 
@@ -86,8 +89,8 @@ def test_contiguous_and_no_cache_engines_agree_on_cuda(pair):
     _, ours, _ = pair
     ids = prompts(1, seed=2)[0]
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
-    cached = list(Engine(ours).generate(ids, params, RequestMetrics()))
-    recomputed = list(Engine(ours, use_cache=False).generate(ids, params, RequestMetrics()))
+    cached = list(ReferenceEngine(ours).generate(ids, params, RequestMetrics()))
+    recomputed = list(ReferenceEngine(ours, use_cache=False).generate(ids, params, RequestMetrics()))
     assert cached == recomputed and len(cached) == 12
 
 
@@ -100,7 +103,7 @@ def test_16_bit_weights_and_cache_on_cuda(tmp_path, dtype):
         logits = []
         for loaded in (full, half):
             cache = ContiguousKVCache.for_model(loaded.config, 32, dtype=loaded.model.dtype, device="cuda")
-            logits.append(loaded.model(ids, cache, cache.plan(30)).float())
+            logits.append(ModelDriver(loaded.model).run(ids, cache).float())
             assert cache.k[0].dtype == loaded.model.dtype
     scale = logits[0].abs().max().item()
     assert (logits[0] - logits[1]).abs().max().item() < 0.05 * scale

@@ -10,6 +10,7 @@ from kvlab.errors import KvlabError
 from kvlab.gguf_file import GGUFFile
 from kvlab.kv.cache import ContiguousKVCache
 from kvlab.model.loader import load_model
+from kvlab.runner.driver import ModelDriver
 from tiny import add_tiny_tokenizer, build_tiny, build_tiny_gguf
 
 
@@ -22,9 +23,7 @@ def converted(request, tmp_path_factory):
 
 
 def logits(loaded, ids):
-    cache = ContiguousKVCache.for_model(loaded.config, ids.shape[1])
-    with torch.inference_mode():
-        return loaded.model(ids, cache, cache.plan(ids.shape[1]))
+    return ModelDriver(loaded.model).run(ids, ContiguousKVCache.for_model(loaded.config, ids.shape[1]))
 
 
 def test_reader_agrees_with_gguf_package(converted):

@@ -7,6 +7,7 @@ import torch
 
 from kvlab.kv.cache import ContiguousKVCache, NoCache
 from kvlab.model.loader import load_model
+from kvlab.runner.driver import ModelDriver
 from tiny import ARCHS, build_tiny
 
 
@@ -26,29 +27,26 @@ def prompt_ids(n: int, seed: int = 0) -> torch.Tensor:
     return torch.randint(3, 512, (1, n), generator=g)
 
 
-@torch.inference_mode()
+def run(model, ids: torch.Tensor, cache, logits_index=None) -> torch.Tensor:
+    """One pass through the model's one driver: planned, run, committed."""
+    return ModelDriver(model).run(ids, cache, logits_index=logits_index)
+
+
 def greedy(model, ids: list[int], steps: int, cache) -> list[int]:
     """Our greedy loop: prefill once, then one token per forward."""
     out = []
-    meta = cache.plan(len(ids))
-    logits = model(torch.tensor([ids]), cache, meta)
-    cache.commit(meta)
+    logits = run(model, torch.tensor([ids]), cache)
     for _ in range(steps):
         token = int(logits[0].argmax())
         out.append(token)
-        meta = cache.plan(1)
-        logits = model(torch.tensor([[token]]), cache, meta)
-        cache.commit(meta)
+        logits = run(model, torch.tensor([[token]]), cache)
     return out
 
 
-@torch.inference_mode()
 def greedy_no_cache(model, ids: list[int], steps: int) -> list[int]:
     seq = list(ids)
     for _ in range(steps):
-        cache = NoCache(model.config.num_layers)
-        meta = cache.plan(len(seq))
-        seq.append(int(model(torch.tensor([seq]), cache, meta)[0].argmax()))
+        seq.append(int(run(model, torch.tensor([seq]), NoCache(model.config.num_layers))[0].argmax()))
     return seq[len(ids) :]
 
 
@@ -57,8 +55,7 @@ def test_last_position_logits_match_transformers(pair):
     ids = prompt_ids(40)
     with torch.inference_mode():
         expected = ref(ids).logits[:, -1]
-        cache = ContiguousKVCache.for_model(ours.config, 64)
-        got = ours.model(ids, cache, cache.plan(40))
+        got = run(ours.model, ids, ContiguousKVCache.for_model(ours.config, 64))
     assert got.shape == expected.shape
     assert (got - expected).abs().max().item() < 1e-4, kind
 
@@ -68,8 +65,7 @@ def test_all_position_logits_match_transformers(pair):
     ids = prompt_ids(17, seed=1)
     with torch.inference_mode():
         expected = ref(ids).logits
-        cache = ContiguousKVCache.for_model(ours.config, 32)
-        got = ours.model(ids, cache, cache.plan(17), logits_index=torch.arange(17))
+        got = run(ours.model, ids, ContiguousKVCache.for_model(ours.config, 32), logits_index=torch.arange(17))
     assert (got - expected).abs().max().item() < 1e-4, kind
 
 
@@ -95,14 +91,10 @@ def test_chunked_prefill_matches_one_pass(pair):
     """Prefilling in two chunks (a chat turn after a cached prefix) gives the same logits."""
     _, ours, _ = pair
     ids = prompt_ids(30, seed=4)
-    with torch.inference_mode():
-        one = ContiguousKVCache.for_model(ours.config, 32)
-        whole = ours.model(ids, one, one.plan(30))
-        two = ContiguousKVCache.for_model(ours.config, 32)
-        meta = two.plan(18)
-        ours.model(ids[:, :18], two, meta)
-        two.commit(meta)
-        rest = ours.model(ids[:, 18:], two, two.plan(12))
+    whole = run(ours.model, ids, ContiguousKVCache.for_model(ours.config, 32))
+    two = ContiguousKVCache.for_model(ours.config, 32)
+    run(ours.model, ids[:, :18], two)
+    rest = run(ours.model, ids[:, 18:], two)
     assert (whole - rest).abs().max().item() < 1e-5
 
 
@@ -121,20 +113,15 @@ def test_batched_forward_matches_single_sequences(pair):
     """B sequences through one forward give each sequence's own logits (the lab's batching)."""
     _, ours, _ = pair
     ids = torch.cat([prompt_ids(8, seed=s) for s in range(3)])  # [3, 8]
-    with torch.inference_mode():
-        cache = ContiguousKVCache.for_model(ours.config, 16, batch_size=3)
-        meta = cache.plan(8)
-        together = ours.model(ids, cache, meta)
-        cache.commit(meta)
-        step = ours.model(ids[:, :1], cache, cache.plan(1))
-        for b in range(3):
-            single = ContiguousKVCache.for_model(ours.config, 16)
-            meta = single.plan(8)
-            alone = ours.model(ids[b : b + 1], single, meta)
-            single.commit(meta)
-            assert (together[b] - alone[0]).abs().max().item() < 1e-4
-            alone_step = ours.model(ids[b : b + 1, :1], single, single.plan(1))
-            assert (step[b] - alone_step[0]).abs().max().item() < 1e-4
+    cache = ContiguousKVCache.for_model(ours.config, 16, batch_size=3)
+    together = run(ours.model, ids, cache)
+    step = run(ours.model, ids[:, :1], cache)
+    for b in range(3):
+        single = ContiguousKVCache.for_model(ours.config, 16)
+        alone = run(ours.model, ids[b : b + 1], single)
+        assert (together[b] - alone[0]).abs().max().item() < 1e-4
+        alone_step = run(ours.model, ids[b : b + 1, :1], single)
+        assert (step[b] - alone_step[0]).abs().max().item() < 1e-4
 
 
 def test_cache_reserve_keeps_contents(pair):
@@ -142,19 +129,13 @@ def test_cache_reserve_keeps_contents(pair):
     _, ours, _ = pair
     ids = prompt_ids(10, seed=5)[0].tolist()
     small = ContiguousKVCache.for_model(ours.config, 10)
-    with torch.inference_mode():
-        meta = small.plan(10)
-        logits = ours.model(torch.tensor([ids]), small, meta)
-        small.commit(meta)
+    logits = run(ours.model, torch.tensor([ids]), small)
     small.reserve(30)
     assert small.max_len >= 30 and small.length == 10
     continued = [int(logits[0].argmax())]
-    with torch.inference_mode():
-        for _ in range(12):
-            meta = small.plan(1)
-            logits = ours.model(torch.tensor([[continued[-1]]]), small, meta)
-            small.commit(meta)
-            continued.append(int(logits[0].argmax()))
+    for _ in range(12):
+        logits = run(ours.model, torch.tensor([[continued[-1]]]), small)
+        continued.append(int(logits[0].argmax()))
     big = ContiguousKVCache.for_model(ours.config, 64)
     assert greedy(ours.model, ids, 13, big) == continued
 
@@ -164,11 +145,10 @@ def test_bfloat16_runs_and_mostly_agrees(pair):
     _, ours, _ = pair
     low = load_model(ours.path, dtype="bfloat16")
     ids = prompt_ids(10, seed=6)
-    with torch.inference_mode():
-        c32 = ContiguousKVCache.for_model(ours.config, 16)
-        a = ours.model(ids, c32, c32.plan(10))
-        c16 = ContiguousKVCache.for_model(low.config, 16, dtype=torch.bfloat16)
-        b = low.model(ids, c16, c16.plan(10))
+    c32 = ContiguousKVCache.for_model(ours.config, 16)
+    a = run(ours.model, ids, c32)
+    c16 = ContiguousKVCache.for_model(low.config, 16, dtype=torch.bfloat16)
+    b = run(low.model, ids, c16)
     assert low.model.dtype == torch.bfloat16 and c16.nbytes() * 2 == c32.nbytes()
     assert b.dtype == torch.float32 and b.shape == a.shape
     assert (a - b).abs().max().item() < 0.1 * a.abs().max().item()
@@ -179,18 +159,12 @@ def test_materialized_attention_matches_sdpa(pair):
     _, ours, _ = pair
     ids = prompt_ids(24, seed=7)
 
-    def run(name):
+    def attend_with(name):
         ours.model.set_attention(name)
         try:
             cache = ContiguousKVCache.for_model(ours.config, 32)
-            out = []
-            with torch.inference_mode():
-                for chunk in (ids[:, :16], ids[:, 16:22], ids[:, 22:23], ids[:, 23:]):
-                    meta = cache.plan(chunk.shape[1])
-                    out.append(ours.model(chunk, cache, meta))
-                    cache.commit(meta)
-            return torch.stack(out)
+            return torch.stack([run(ours.model, chunk, cache) for chunk in (ids[:, :16], ids[:, 16:22], ids[:, 22:23], ids[:, 23:])])
         finally:
             ours.model.set_attention("sdpa")
 
-    assert (run("sdpa") - run("materialized")).abs().max().item() < 1e-4
+    assert (attend_with("sdpa") - attend_with("materialized")).abs().max().item() < 1e-4

@@ -10,7 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvlab.engine import Engine, EngineConfig, LLMEngine
+from kvlab.config import EngineConfig
+from kvlab.engine import LLMEngine
+from kvlab.reference import ReferenceEngine
+from kvlab.runner.driver import ModelDriver
 from kvlab.kv.cache import ContiguousKVCache
 from kvlab.model.loader import load_model
 from kvlab.output.result import RequestMetrics
@@ -41,7 +44,7 @@ def prompts(n: int = len(LENGTHS), seed: int = 0) -> list[list[int]]:
 
 
 def reference(loaded, ids: list[int], params=GREEDY) -> list[int]:
-    return list(Engine(loaded).generate(ids, params, RequestMetrics()))
+    return list(ReferenceEngine(loaded).generate(ids, params, RequestMetrics()))
 
 
 def run_all(engine: LLMEngine, batch: list[list[int]], params=GREEDY, check=None) -> list[list[int]]:
@@ -64,17 +67,15 @@ def test_single_sequence_logits_are_bit_identical_to_the_contiguous_cache(loaded
     request = engine.scheduler.waiting[0]
     contiguous = ContiguousKVCache.for_model(loaded.config, 64)
     fed = ids
-    with torch.inference_mode():
-        for _ in range(6):
-            plan = engine.scheduler.schedule()
-            paged = engine.runner.forward(engine.runner.prepare_inputs(plan))[0]
-            meta = contiguous.plan(len(fed))
-            expected = loaded.model(torch.tensor([fed]), contiguous, meta)[0]
-            contiguous.commit(meta)
-            assert torch.equal(paged, expected)
-            token = int(expected.argmax())
-            engine.scheduler.update(plan, {request.request_id: token})
-            fed = [token]
+    driver = ModelDriver(loaded.model)
+    for _ in range(6):
+        plan = engine.scheduler.schedule()
+        paged = engine.runner.forward(engine.runner.prepare_inputs(plan))[0]
+        expected = driver.append(fed, contiguous)
+        assert torch.equal(paged, expected)
+        token = int(expected.argmax())
+        engine.scheduler.update(plan, {request.request_id: token})
+        fed = [token]
 
 
 def test_alone_and_batched_greedy_tokens_match_the_contiguous_engine(loaded):

@@ -20,9 +20,9 @@ from pathlib import Path
 
 import torch
 
-from kvlab.kernels import decode_threads
 from kvlab.kv.cache import ContiguousKVCache, KVCache
 from kvlab.model.loader import LoadedModel, load_model
+from kvlab.runner.driver import ModelDriver
 
 LONG_RUN_S = 5.0  # a warm-up run this long counts as a sample (see measure)
 
@@ -173,11 +173,7 @@ def max_positions(loaded: LoadedModel) -> int:
 
 def forward(model, cache: KVCache, ids: torch.Tensor, logits_index: torch.Tensor | None = None) -> torch.Tensor:
     """Append ids [B, T] to every sequence of `cache`: logits [B, V] of the last new token."""
-    meta = cache.plan(ids.shape[1])
-    with decode_threads(ids.shape[0] * ids.shape[1]):
-        logits = model(ids, cache, meta, logits_index=logits_index)
-    cache.commit(meta)
-    return logits
+    return ModelDriver(model).run(ids, cache, logits_index=logits_index)
 
 
 def greedy(model, cache: KVCache, token: torch.Tensor, steps: int) -> torch.Tensor:

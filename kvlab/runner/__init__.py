@@ -1,1 +1,1 @@
-"""The step plan turned into tensors, the model run, the logits sampled (ModelRunner); the KV pool's size."""
+"""The runner: a step's plan turned into tensors and sampled (ModelRunner), and the one driver of the model (ModelDriver)."""

@@ -20,10 +20,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvlab.kernels import decode_threads
 from kvlab.kv.cache import AttentionMetadata, build_metadata
 from kvlab.kv.paged import AttentionGroup, PagedKVCache, PagedMetadata
 from kvlab.request import Request
+from kvlab.runner.driver import ModelDriver
 from kvlab.sampling.sampler import Sampler
 from kvlab.scheduler import ScheduledChunk, SchedulerOutput
 
@@ -55,6 +55,7 @@ class ModelRunner:
         self.device = cache.device
         self.block_size = cache.block_size
         self.pack_prompts = pack_prompts
+        self.driver = ModelDriver(model)
         self.samplers: dict[str, Sampler] = {}  # per request: each owns its seeded generator
 
     # ---- 1. tensors --------------------------------------------------------------------------------
@@ -125,8 +126,7 @@ class ModelRunner:
         for p in step.passes:
             # a pass with nothing to sample still needs the forward (it writes K/V); one LM-head row is cheap
             index = p.logits_index if p.sampling else p.logits_index.new_tensor([p.input_ids.shape[1] - 1])
-            with decode_threads(p.input_ids.shape[1]):
-                logits = self.model(p.input_ids, self.cache, p.meta, logits_index=index)[0]  # [S, V]
+            logits = self.driver.run(p.input_ids, self.cache, p.meta, logits_index=index)[0]  # [S, V]
             if p.sampling:
                 rows.append(logits)
         if not rows:

@@ -157,7 +157,7 @@ def print_plan(args, options: dict, file=None):
 
 
 def print_measured(llm, plan, planned_weights: int | None, file=None) -> None:
-    from kvlab.runner.single import peak_memory_bytes
+    from kvlab.stats import peak_memory_bytes
 
     file = file or sys.stderr
     engine, loaded = llm.engine, llm.loaded

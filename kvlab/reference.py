@@ -1,18 +1,16 @@
-"""The single-sequence reference engine: a contiguous cache, prefill in one pass, one decode step per token.
+"""ReferenceEngine: one sequence, a contiguous cache, prefill in one pass, one decode step per token.
 
-    tokens ─► Engine.generate() ─► prefill forward ─► sample ─► decode forward ─► sample ─► …
+    tokens ─► ReferenceEngine.generate() ─► prefill forward ─► sample ─► decode forward ─► sample ─► …
                  │ a Session keeps the cache and the ids it holds between chat turns
 
-Every user-facing path (LLM, `kvlab run`/`chat`, the server) goes through the serving engine,
-`kvlab.engine.LLMEngine`. This one stays as the simplest correct loop: the lab drives it to show
-single-request costs (with `use_cache=False` every step recomputes the whole sequence), the core
-benchmark measures decode with it, and the tests use it as the oracle the paged engine must match
-token for token.
+Every user-facing path (LLM, `kvlab run`/`chat`, the server, the benchmarks) goes through the serving
+engine, `kvlab.engine.LLMEngine`. This one stays as the simplest correct loop, and the oracle the
+tests hold the paged engine to, token for token; with `use_cache=False` every step recomputes the
+whole sequence (what the cache saves). Its forwards go through the one ModelDriver.
 """
 
 from __future__ import annotations
 
-import resource
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -20,12 +18,14 @@ from dataclasses import dataclass, field
 import torch
 
 from kvlab.errors import KvlabError
-from kvlab.kernels import decode_threads
-from kvlab.kv.cache import ContiguousKVCache, KVCache, NoCache
+from kvlab.kv.cache import ContiguousKVCache, NoCache, SingleBatchKVCache
 from kvlab.model.loader import LoadedModel
 from kvlab.output.result import RequestMetrics
+from kvlab.request import check_token_ids
+from kvlab.runner.driver import ModelDriver
 from kvlab.sampling.params import SamplingParams
 from kvlab.sampling.sampler import Sampler
+from kvlab.stats import peak_memory_bytes
 
 
 @dataclass
@@ -44,26 +44,12 @@ def common_prefix_len(a: list[int], b: list[int]) -> int:
     return i
 
 
-def peak_memory_bytes(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device)
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
-
-
-def check_token_ids(prompt_ids: list[int], vocab_size: int) -> None:
-    """Raise KvlabError for an empty prompt or a token id outside the vocabulary (both engines' rule)."""
-    if not prompt_ids:
-        raise KvlabError("the prompt is empty: give at least one token")
-    bad = [t for t in prompt_ids if not (isinstance(t, int) and 0 <= t < vocab_size)]
-    if bad:
-        raise KvlabError(f"token id {bad[0]} is outside the vocabulary (0..{vocab_size - 1})")
-
-
-class Engine:
+class ReferenceEngine:
     def __init__(self, loaded: LoadedModel, max_model_len: int | None = None, use_cache: bool = True):
         self.loaded = loaded
         self.model = loaded.model
         self.config = loaded.config
+        self.driver = ModelDriver(self.model)
         self.device = self.model.device
         self.max_model_len = min(max_model_len or self.config.max_position_embeddings, self.model.rotary.cos.shape[0])
         self.use_cache = use_cache
@@ -75,15 +61,9 @@ class Engine:
         )
         return Session(cache)
 
-    @torch.inference_mode()
-    def forward(self, ids: list[int], cache: KVCache) -> torch.Tensor:
+    def forward(self, ids: list[int], cache: SingleBatchKVCache) -> torch.Tensor:
         """Append `ids` to the (single) sequence in `cache`; logits [V] of the last one."""
-        input_ids = torch.tensor([ids], dtype=torch.long, device=self.device)
-        meta = cache.plan(len(ids))
-        with decode_threads(len(ids)):
-            logits = self.model(input_ids, cache, meta)[0]
-        cache.commit(meta)
-        return logits
+        return self.driver.append(ids, cache)
 
     def check_prompt(self, prompt_ids: list[int]) -> None:
         check_token_ids(prompt_ids, self.config.vocab_size)

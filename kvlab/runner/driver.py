@@ -1,0 +1,54 @@
+"""ModelDriver: the one place a forward pass of the model is run.
+
+    logits = driver.run(input_ids, cache)                 # a contiguous cache: planned, run, committed
+    logits = driver.run(input_ids, paged, meta, index)    # the paged cache: the runner built `meta`
+
+Every caller of the model (the serving engine's runner, the reference engine, the lab, the tests)
+goes through it, so the thread policy, inference mode and the plan → forward → commit order live
+in one place.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvlab.kernels import decode_threads
+from kvlab.kv.cache import KVCache, SingleBatchKVCache
+
+
+class ModelDriver:
+    def __init__(self, model):
+        self.model = model
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
+
+    @torch.inference_mode()
+    def run(
+        self,
+        input_ids: torch.Tensor,
+        cache: KVCache,
+        meta=None,
+        logits_index: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """input_ids [B, T] through the model: logits [B, V] of each sequence's last new token, or
+        [B, N, V] at `logits_index`.
+
+        Without `meta` the cache plans the pass (it must be a SingleBatchKVCache: every sequence gains
+        T tokens) and records it once the forward has written its K/V.
+        """
+        planned = meta is None
+        if planned:
+            if not isinstance(cache, SingleBatchKVCache):
+                raise TypeError(f"{type(cache).__name__} needs the pass's metadata from its caller")
+            meta = cache.plan(input_ids.shape[1])
+        with decode_threads(input_ids.numel()):
+            logits = self.model(input_ids, cache, meta, logits_index=logits_index)
+        if planned:
+            cache.commit(meta)
+        return logits
+
+    def append(self, ids: list[int], cache: SingleBatchKVCache) -> torch.Tensor:
+        """Append `ids` to the single sequence in `cache`: logits [V] of the last one."""
+        return self.run(torch.tensor([ids], dtype=torch.long, device=self.device), cache)[0]
