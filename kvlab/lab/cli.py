@@ -148,9 +148,11 @@ def measure(args, names: list[str], settings: Settings) -> int:
 
 def run_experiments(args, names: list[str], settings: Settings) -> int:
     from kvlab.lab.common import Lab, load_average, machine_facts, model_facts, now
+    from kvlab.lab.plots import pyplot
     from kvlab.lab.report import load_results, render, write_results
     from kvlab.model.loader import load_model
 
+    pyplot()  # the report's plots need matplotlib: find out now, not after every experiment has run
     machine = machine_facts()  # before loading: free RAM and load average as the run found them
     loaded = load_model(args.model, dtype=settings.dtype)
     out = Path(args.out or f"lab-{model_label(args.model)}")
