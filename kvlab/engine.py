@@ -12,8 +12,8 @@ False: the offline `LLM` does it in its own thread, the server in an engine thre
 from __future__ import annotations
 
 import itertools
+import logging
 import time
-
 
 from kvlab.config import EngineConfig
 from kvlab.errors import KvlabError
@@ -28,6 +28,8 @@ from kvlab.runner.model_runner import ModelRunner
 from kvlab.sampling.params import SamplingParams
 from kvlab.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from kvlab.stats import STEP_PHASES, EngineStats, peak_memory_bytes
+
+logger = logging.getLogger(__name__)
 
 
 class LLMEngine:
@@ -79,8 +81,12 @@ class LLMEngine:
         request_id: str | None = None,
         output: RequestOutput | None = None,
         arrival_s: float | None = None,
+        cache_salt: str | None = None,
     ) -> str:
-        """Queue a request; it runs from the next step on. Returns its id."""
+        """Queue a request; it runs from the next step on. Returns its id.
+
+        `cache_salt`: the request shares prefix-cache blocks only with requests of the same salt.
+        """
         self.check_prompt(prompt_token_ids)
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self._states:
@@ -89,6 +95,7 @@ class LLMEngine:
             request_id, list(prompt_token_ids), params,
             max_tokens=min(params.max_tokens, self.max_model_len - len(prompt_token_ids)),
             eos_token_ids=frozenset(self.eos_token_ids), arrival_s=arrival_s or time.perf_counter(),
+            cache_salt=cache_salt,
         )  # fmt: skip
         output = output or RequestOutput(prompt=None, prompt_token_ids=list(prompt_token_ids))
         output.request_id = request_id
@@ -105,6 +112,9 @@ class LLMEngine:
         self.scheduler.finish_request(request, RequestStatus.FINISHED_ABORTED)
         return self._finalize(request, state, state.finish(request))
 
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self._states
+
     @property
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests
@@ -120,23 +130,69 @@ class LLMEngine:
     # ---- one step ------------------------------------------------------------------------------------
 
     def step(self) -> list[StepOutput]:
-        """Advance every scheduled request by one chunk; return what each request gained."""
-        t0 = time.perf_counter()
-        plan = self.scheduler.schedule()  # 1. which requests, how many tokens each
-        t1 = time.perf_counter()
-        if not plan.chunks:
-            return []
-        inputs = self.runner.prepare_inputs(plan)  # 2. token ids, positions, slot mapping, block tables
-        t2 = time.perf_counter()
-        logits = self.runner.forward(inputs)  # 3. one batched forward (per pass)
-        t3 = time.perf_counter()
-        tokens = self.runner.sample(inputs.sampling, logits)  # 4. a token per request that reached its end
-        t4 = time.perf_counter()
-        outputs = self._update(plan, tokens, step_s=t4 - t0)  # 5. append, stop, detokenize
-        t5 = time.perf_counter()
+        """Advance every scheduled request by one chunk; return what each request gained.
+
+        An exception inside the step ends only requests of this step (`_fail_step`), whose outputs
+        carry `error`; the engine goes on with every other request.
+        """
+        plan = None
+        try:
+            t0 = time.perf_counter()
+            plan = self.scheduler.schedule()  # 1. which requests, how many tokens each
+            t1 = time.perf_counter()
+            if not plan.chunks:
+                return []
+            inputs = self.runner.prepare_inputs(plan)  # 2. token ids, positions, slot mapping, block tables
+            t2 = time.perf_counter()
+            logits = self.runner.forward(inputs)  # 3. one batched forward (per pass)
+            t3 = time.perf_counter()
+            tokens, failed = self._sample(inputs.sampling, logits)  # 4. a token per request that reached its end
+            t4 = time.perf_counter()
+            outputs = [self._fail(r, e) for r, e in failed]
+            outputs += self._update(plan, tokens, step_s=t4 - t0)  # 5. append, stop, detokenize
+            t5 = time.perf_counter()
+        except Exception as error:
+            return self._fail_step(plan, error)
         phases = dict(zip(STEP_PHASES, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4)))
         self.stats.record_step(phases, plan.num_tokens, len(tokens))
         return outputs
+
+    # ---- step-failure isolation: an exception in a step ends that step's requests, not the engine ----
+
+    def _sample(self, requests: list[Request], logits) -> tuple[dict[str, int], list[tuple[Request, Exception]]]:
+        """The runner's sample; if it raises, each request alone, to find the one(s) that cannot be sampled.
+
+        A retried request that had drawn before the failure draws again: its seeded text differs
+        from a run without the failure.
+        """
+        try:
+            return self.runner.sample(requests, logits), []
+        except Exception:
+            if len(requests) <= 1:
+                raise
+        tokens, failed = {}, []
+        for i, request in enumerate(requests):
+            try:
+                tokens.update(self.runner.sample([request], logits[i : i + 1]))
+            except Exception as error:
+                failed.append((request, error))
+        return tokens, failed
+
+    def _fail_step(self, plan: SchedulerOutput | None, error: Exception) -> list[StepOutput]:
+        """A step raised and no single request can be blamed: end every request of the step (every
+        request, when planning itself failed), then check the pool; a broken pool raises (engine dead)."""
+        logger.exception("engine step failed; ending the requests it carried")
+        requests = [c.request for c in plan.chunks] if plan else [*self.scheduler.running, *self.scheduler.waiting]
+        outputs = [self._fail(r, error) for r in dict.fromkeys(requests) if self.has_request(r.request_id)]
+        self.kv.pool.check_integrity()
+        return outputs
+
+    def _fail(self, request: Request, error: Exception) -> StepOutput:
+        """End one request with an error: aborted, blocks freed; its half-written last block is not cached."""
+        request.num_computed_tokens -= request.num_computed_tokens % self.kv.block_size
+        out = self.abort_request(request.request_id)
+        out.error = f"{type(error).__name__}: {error}"
+        return out
 
     def _update(self, plan: SchedulerOutput, tokens: dict[str, int], step_s: float) -> list[StepOutput]:
         self._account(plan, step_s)

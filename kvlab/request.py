@@ -77,6 +77,7 @@ class Request:
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache when first admitted
     num_preemptions: int = 0
+    cache_salt: str | None = None  # prefix-cache namespace: blocks are shared only under the same salt
     timings: RequestTimings = field(init=False)
 
     def __post_init__(self) -> None:

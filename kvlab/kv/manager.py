@@ -14,6 +14,9 @@ same prefix (a partial block left by a finished request, or a full block that di
 Those tokens cannot be shared — the new request will write after them — so they are copied into
 a block of its own: a `BlockCopy` the runner performs before the step's forward. A chat turn that
 repeats the previous turn's tokens therefore prefills only what is new, to the token.
+
+Every chain starts at the request's root: `salted_root(request.cache_salt)` (ROOT when unsalted), so
+requests with different salts find none of each other's blocks, whole or partial.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvlab.kv.block_pool import BlockPool, PoolCounts
-from kvlab.kv.prefix_cache import ROOT, BlockHash, PrefixCacheStats, hash_blocks
+from kvlab.kv.prefix_cache import BlockHash, PrefixCacheStats, hash_blocks, salted_root
 from kvlab.request import Request
 
 
@@ -112,7 +115,7 @@ class KVCacheManager:
 
     def _block_hashes(self, request: Request) -> list[BlockHash]:
         known = self._hashes.setdefault(request.request_id, [])
-        return hash_blocks(request.all_token_ids, self.block_size, known)
+        return hash_blocks(request.all_token_ids, self.block_size, known, salted_root(request.cache_salt))
 
     # ---- admission -------------------------------------------------------------------------------
 
@@ -130,7 +133,7 @@ class KVCacheManager:
                 break
             blocks.append(b)
         start = len(blocks) * bs
-        parent = hashes[len(blocks) - 1] if blocks else ROOT
+        parent = hashes[len(blocks) - 1] if blocks else salted_root(request.cache_salt)
         src, run = self.pool.longest_match(parent, tokens[start : min(start + bs, limit)])
         return PrefixHit(blocks, start + run, src, run)
 
@@ -178,8 +181,9 @@ class KVCacheManager:
         if full <= done:
             return
         hashes, table, tokens = self._block_hashes(request), self.block_tables[rid], request.all_token_ids
+        root = salted_root(request.cache_salt)
         for i in range(done, full):
-            self.pool.register(table[i], hashes[i - 1] if i else ROOT, tokens[i * bs : (i + 1) * bs], hashes[i])
+            self.pool.register(table[i], hashes[i - 1] if i else root, tokens[i * bs : (i + 1) * bs], hashes[i])
         self._num_registered[rid] = full
 
     def free(self, request: Request) -> None:
@@ -192,7 +196,10 @@ class KVCacheManager:
         if self.enable_prefix_caching and n % bs and n // bs < len(table):
             i = n // bs
             hashes = self._block_hashes(request)
-            self.pool.register(table[i], hashes[i - 1] if i else ROOT, request.all_token_ids[i * bs : n], None)
+            parent, tail = hashes[i - 1] if i else salted_root(request.cache_salt), request.all_token_ids[i * bs : n]
+            # identical requests end with identical tails: keep one findable copy, not one per request
+            if self.pool.longest_match(parent, tail)[1] < len(tail):
+                self.pool.register(table[i], parent, tail, None)
         self.pool.free(reversed(table))
         for d in (self._requests, self._hashes, self._num_registered):
             d.pop(rid, None)

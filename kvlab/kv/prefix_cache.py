@@ -5,6 +5,10 @@
 Two sequences share the K/V of block i only if they agree on every token up to its end, which is
 exactly what the chained hash says in 16 bytes. The hash is stable across processes (no Python
 `hash()` randomisation), so tests can name blocks by it.
+
+A request with a `cache_salt` chains its first block from `salted_root(salt)` instead of ROOT, so
+its blocks are findable only by requests with the same salt (vLLM's `cache_salt`): tenants with
+different salts never share K/V, nor learn from a hit what another tenant sent.
 """
 
 from __future__ import annotations
@@ -24,10 +28,19 @@ def hash_block(parent: BlockHash, token_ids: Sequence[int]) -> BlockHash:
     return h.digest()
 
 
-def hash_blocks(token_ids: Sequence[int], block_size: int, known: list[BlockHash]) -> list[BlockHash]:
-    """Extend `known` (hashes of the first blocks) to every full block of `token_ids`; return it."""
+def salted_root(cache_salt: str | None) -> BlockHash:
+    """The parent of a sequence's first block: ROOT unsalted, else a digest of the salt (never ROOT)."""
+    if cache_salt is None:
+        return ROOT
+    return hashlib.blake2b(b"kvlab-cache-salt\0" + cache_salt.encode("utf-8"), digest_size=16).digest()
+
+
+def hash_blocks(
+    token_ids: Sequence[int], block_size: int, known: list[BlockHash], root: BlockHash = ROOT
+) -> list[BlockHash]:
+    """Extend `known` (hashes of the first blocks, chained from `root`) to every full block of `token_ids`."""
     for i in range(len(known), len(token_ids) // block_size):
-        parent = known[i - 1] if i else ROOT
+        parent = known[i - 1] if i else root
         known.append(hash_block(parent, token_ids[i * block_size : (i + 1) * block_size]))
     return known
 

@@ -25,6 +25,7 @@ class StepOutput:
     new_text: str
     finished: bool
     output: RequestOutput  # the whole output so far (the same object every step)
+    error: str | None = None  # set when the engine ended the request because its step failed
 
 
 class OutputState:
