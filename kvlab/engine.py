@@ -26,7 +26,7 @@ from kvlab.output.result import RequestOutput
 from kvlab.request import Request, RequestStatus, check_token_ids
 from kvlab.runner.model_runner import ModelRunner
 from kvlab.sampling.params import SamplingParams
-from kvlab.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from kvlab.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, StepResult
 from kvlab.stats import STEP_PHASES, EngineStats, peak_memory_bytes
 
 logger = logging.getLogger(__name__)
@@ -154,12 +154,12 @@ class LLMEngine:
         except Exception as error:
             return self._fail_step(plan, error)
         phases = dict(zip(STEP_PHASES, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4)))
-        self.stats.record_step(phases, plan.num_tokens, len(tokens))
+        self.stats.record_step(phases, plan.num_tokens, tokens.num_sampled)
         return outputs
 
     # ---- step-failure isolation: an exception in a step ends that step's requests, not the engine ----
 
-    def _sample(self, requests: list[Request], logits) -> tuple[dict[str, int], list[tuple[Request, Exception]]]:
+    def _sample(self, requests: list[Request], logits) -> tuple[StepResult, list[tuple[Request, Exception]]]:
         """The runner's sample; if it raises, each request alone, to find the one(s) that cannot be sampled.
 
         A retried request that had drawn before the failure draws again: its seeded text differs
@@ -170,10 +170,10 @@ class LLMEngine:
         except Exception:
             if len(requests) <= 1:
                 raise
-        tokens, failed = {}, []
+        tokens, failed = StepResult(), []
         for i, request in enumerate(requests):
             try:
-                tokens.update(self.runner.sample([request], logits[i : i + 1]))
+                tokens.merge(self.runner.sample([request], logits[i : i + 1]))
             except Exception as error:
                 failed.append((request, error))
         return tokens, failed
@@ -194,7 +194,7 @@ class LLMEngine:
         out.error = f"{type(error).__name__}: {error}"
         return out
 
-    def _update(self, plan: SchedulerOutput, tokens: dict[str, int], step_s: float) -> list[StepOutput]:
+    def _update(self, plan: SchedulerOutput, tokens: StepResult, step_s: float) -> list[StepOutput]:
         self._account(plan, step_s)
         now = time.perf_counter()
         outputs = []

@@ -204,3 +204,63 @@ def test_a_copy_source_that_becomes_the_destination_is_neither_zeroed_nor_copied
     hit = kv.find_prefix(b)
     assert kv.allocate_slots(b, b.num_tokens - hit.num_tokens, hit) == []
     assert kv.block_tables["b"] == [0, 1] and hit.num_tokens == 6
+
+
+# ---- truncation: a request's tail forgotten (drafted tokens a verifier rejected) -------------------
+
+
+def test_truncate_frees_whole_blocks_past_the_cut_and_keeps_the_block_it_falls_in():
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    a = request("a", list(range(14)))
+    kv.allocate_slots(a, 14)
+    assert kv.block_tables["a"] == [0, 1, 2, 3]
+    a.num_computed_tokens = 14
+    kv.register_full_blocks(a)  # blocks 0, 1, 2 full and findable
+    kv.truncate(a, 6)
+    assert kv.block_tables["a"] == [0, 1] and a.num_computed_tokens == 6
+    assert [kv.pool.ref_count(b) for b in range(4)] == [1, 1, 0, 0]
+    # block 2 is cached (its K/V still match its tokens); block 1, where the cut falls, is no longer findable
+    assert kv.pool.lookup(hash_blocks(list(range(12)), 4, [])[2]) == 2
+    assert kv.pool.lookup(hash_blocks(list(range(8)), 4, [])[1]) is None
+    assert kv._num_registered["a"] == 1 and len(kv._hashes["a"]) == 1
+    assert kv.take_pending_ops() == []  # nothing shared: no copy
+    counts = kv.pool.check_integrity()
+    assert (counts.used, counts.cached, counts.free) == (2, 1, 5)
+    assert kv.ledger().is_balanced
+
+
+def test_truncate_into_a_shared_block_copies_it_first():
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    a = request("a", list(range(8)))
+    kv.allocate_slots(a, 8)
+    a.num_computed_tokens = 8
+    kv.register_full_blocks(a)  # blocks 0, 1 findable; b will share both
+    b = request("b", list(range(8)) + [50, 51])
+    hit = kv.find_prefix(b)
+    kv.allocate_slots(b, b.num_tokens - hit.num_tokens, hit)
+    assert kv.block_tables["b"] == [0, 1, 2] and kv.pool.ref_count(1) == 2
+    b.num_computed_tokens = 10
+    kv.truncate(b, 6)  # the cut falls in block 1, which a still holds; block 2, just freed, is reused for it
+    assert kv.block_tables["b"] == [0, 2] and kv.block_tables["a"] == [0, 1]
+    assert kv.take_pending_ops() == [BlockZero((2,)), BlockCopy(src=1, dst=2, num_tokens=2)]
+    assert kv.take_pending_ops() == []  # handed over once
+    assert [kv.pool.ref_count(x) for x in range(4)] == [2, 1, 1, 0]
+    kv.pool.check_integrity()
+    ledger = kv.ledger()
+    assert ledger.is_balanced and ledger.requests["b"].tokens == 6 and ledger.requests["b"].shared_blocks == 1
+    kv.free(b)
+    kv.free(a)
+    assert kv.pool.check_integrity().used == 0
+
+
+def test_truncate_on_a_block_boundary_and_out_of_range():
+    kv = KVCacheManager(num_blocks=4, block_size=4)
+    a = request("a", list(range(7)))
+    kv.allocate_slots(a, 7)
+    a.num_computed_tokens = 7
+    kv.truncate(a, 4)
+    assert kv.block_tables["a"] == [0] and kv.take_pending_ops() == []
+    with pytest.raises(ValueError):
+        kv.truncate(a, 5)  # past what its table holds
+    kv.truncate(a, 0)
+    assert kv.block_tables["a"] == [] and kv.pool.check_integrity().used == 0

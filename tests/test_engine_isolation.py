@@ -11,7 +11,7 @@ import pytest
 from kvlab import LLM, SamplingParams
 from kvlab.kv.manager import KVCacheManager
 from kvlab.request import Request
-from kvlab.scheduler import Scheduler, SchedulerConfig
+from kvlab.scheduler import Scheduler, SchedulerConfig, StepResult
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest
 
@@ -27,7 +27,7 @@ def run(s: Scheduler, rid: str, prompt: list[int], salt: str | None = None, max_
     s.add_request(r)
     while s.has_unfinished_requests:
         plan = s.schedule()
-        s.update(plan, {c.request.request_id: 7 for c in plan.chunks if c.samples})
+        s.update(plan, StepResult({c.request.request_id: [7] for c in plan.chunks if c.samples}))
     s.kv.pool.check_integrity()
     return r
 

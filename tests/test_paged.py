@@ -14,6 +14,7 @@ from kvlab.config import EngineConfig
 from kvlab.engine import LLMEngine
 from kvlab.reference import ReferenceEngine
 from kvlab.runner.driver import ModelDriver
+from kvlab.scheduler import StepResult
 from kvlab.kv.cache import ContiguousKVCache
 from kvlab.model.loader import load_model
 from kvlab.output.result import RequestMetrics
@@ -74,7 +75,7 @@ def test_single_sequence_logits_are_bit_identical_to_the_contiguous_cache(loaded
         expected = driver.append(fed, contiguous)
         assert torch.equal(paged, expected)
         token = int(expected.argmax())
-        engine.scheduler.update(plan, {request.request_id: token})
+        engine.scheduler.update(plan, StepResult({request.request_id: [token]}))
         fed = [token]
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 from kvlab.kv.manager import BlockCopy, KVCacheManager
 from kvlab.request import Request, RequestStatus
 from kvlab.sampling import SamplingParams
-from kvlab.scheduler import Scheduler, SchedulerConfig
+from kvlab.scheduler import Scheduler, SchedulerConfig, StepResult
 
 
 def make(num_blocks=16, block_size=4, max_num_seqs=8, budget=64, prefix_caching=True, recompute=False):
@@ -25,7 +25,7 @@ def req(rid: str, prompt_len: int, max_tokens: int = 4, first: int = 100) -> Req
 
 def step(s: Scheduler):
     plan = s.schedule()
-    s.update(plan, {c.request.request_id: 7 for c in plan.chunks if c.samples})
+    s.update(plan, StepResult({c.request.request_id: [7] for c in plan.chunks if c.samples}))
     return plan
 
 
@@ -173,4 +173,31 @@ def test_recompute_mode_forgets_every_token_after_each_sample():
     assert shape(step(s)) == [("a", 0, 6)]
     assert shape(step(s)) == [("a", 0, 7)]
     assert r.is_finished
+    check_empty(s)
+
+
+def test_rejected_positions_are_rolled_back_before_their_blocks_are_made_findable():
+    """A result that rejects the last positions a step computed (as a verifier rejects drafted tokens;
+    here simply the chunk's last two) keeps only the accepted K/V, and registers only full accepted blocks."""
+    s = make()
+    r = req("a", 9, max_tokens=4)
+    s.add_request(r)
+    plan = s.schedule()
+    assert shape(plan) == [("a", 0, 9)] and s.kv.block_tables["a"] == [0, 1, 2]
+    s.update(plan, StepResult({"a": [7]}, num_rejected_tokens={"a": 2}))
+    assert r.num_computed_tokens == 7 and s.kv.block_tables["a"] == [0, 1]  # block 2 held only positions 8, 9
+    assert s.kv._num_registered.get("a", 0) == 1  # block 1 (positions 4-7) is not full of accepted tokens
+    assert r.output_token_ids == [7] and r.num_tokens == 10
+    assert shape(s.schedule()) == [("a", 7, 3)]  # the rejected positions are computed again
+    s.kv.pool.check_integrity()
+
+
+def test_several_tokens_in_one_result_are_appended_in_order_and_stop_at_the_limit():
+    s = make()
+    r = req("a", 5, max_tokens=3)
+    s.add_request(r)
+    plan = s.schedule()
+    got = s.update(plan, StepResult({"a": [11, 12, 13, 14]}))
+    assert got == [r] and r.output_token_ids == [11, 12, 13]  # max_tokens 3: the fourth is not taken
+    assert r.status is RequestStatus.FINISHED_LENGTH
     check_empty(s)

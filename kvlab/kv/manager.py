@@ -6,7 +6,8 @@ Pure Python. The scheduler asks it three things:
     allocate_slots(request, n, hit) room for n more tokens (False-y when the pool is out of blocks)
     free(request)                   give every block back (the last, partial one stays findable)
 
-and after each step `register_full_blocks(request)` makes newly filled blocks findable.
+and after each step `register_full_blocks(request)` makes newly filled blocks findable, and
+`truncate(request, n)` forgets a request's K/V from token n on (tokens a verifier rejected).
 
 A prefix hit has two parts: whole blocks found by their chained hash (shared: ref_count + 1), then,
 in the block after them, the longest run of equal tokens in any registered block that follows the
@@ -101,6 +102,7 @@ class KVCacheManager:
         self._requests: dict[str, Request] = {}
         self._hashes: dict[str, list[BlockHash]] = {}  # chained hashes of each request's full blocks so far
         self._num_registered: dict[str, int] = {}  # leading blocks of each table already findable
+        self._pending_ops: list[BlockOp] = []  # copy-on-write after a truncation: done before the next forward
 
     @property
     def num_blocks(self) -> int:
@@ -203,6 +205,45 @@ class KVCacheManager:
         self.pool.free(reversed(table))
         for d in (self._requests, self._hashes, self._num_registered):
             d.pop(rid, None)
+
+    def truncate(self, request: Request, num_tokens: int) -> None:
+        """Forget the request's K/V from token `num_tokens` on: whole blocks past it go back to the pool,
+        and the block the cut falls in becomes the request's own before it is written again.
+
+        That block may be shared through the prefix cache (another request holds it: it is copied, up
+        to the cut, into a new block — a BlockCopy done before the next forward) or only findable (it is
+        made unfindable). Memoised hashes of the blocks the request will rewrite are forgotten.
+        Blocks past the cut that are registered stay cached: their K/V are still right for their tokens.
+        """
+        rid, bs = request.request_id, self.block_size
+        table = self.block_tables[rid]
+        if not 0 <= num_tokens <= len(table) * bs:
+            raise ValueError(f"cannot truncate {rid} to {num_tokens} tokens: its table holds {len(table) * bs}")
+        keep, full = self.blocks_for(num_tokens), num_tokens // bs
+        dropped = table[keep:]
+        del table[keep:]
+        self.pool.free(reversed(dropped))
+        del self._hashes.setdefault(rid, [])[full:]
+        self._num_registered[rid] = min(self._num_registered.get(rid, 0), full)
+        request.num_computed_tokens = min(request.num_computed_tokens, num_tokens)
+        if num_tokens % bs == 0:
+            return
+        block = table[full]
+        if self.pool.ref_count(block) > 1:  # shared: copy what stays into a block of its own
+            if self.pool.num_free_blocks == 0:
+                raise RuntimeError(f"no free block to copy {rid}'s shared block {block} into")
+            (own,) = self.pool.allocate(1)
+            self._pending_ops += [BlockZero((own,)), BlockCopy(block, own, num_tokens % bs)]
+            table[full] = own
+            self.pool.free([block])
+        elif block in self.pool.entries:  # findable, but held only here: stop offering it
+            self.pool.unregister(block)
+
+    def take_pending_ops(self) -> list[BlockOp]:
+        """Block operations owed since the last step (copy-on-write after truncation); the scheduler
+        puts them first in the next step's plan."""
+        ops, self._pending_ops = self._pending_ops, []
+        return ops
 
     # ---- accounting ------------------------------------------------------------------------------
 

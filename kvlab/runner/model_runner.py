@@ -1,6 +1,6 @@
 """ModelRunner: a step's plan turned into tensors, one forward through the model, tokens sampled.
 
-    SchedulerOutput ─prepare_inputs─► StepInputs ─forward─► logits [S, V] ─sample─► {request: token}
+    SchedulerOutput ─prepare_inputs─► StepInputs ─forward─► logits [S, V] ─sample─► StepResult
 
 The step's tokens are packed into one row, decodes first, then each prompt chunk:
 
@@ -25,7 +25,7 @@ from kvlab.kv.paged import AttentionGroup, PagedKVCache, PagedMetadata
 from kvlab.request import Request
 from kvlab.runner.driver import ModelDriver
 from kvlab.sampling.sampler import Sampler
-from kvlab.scheduler import ScheduledChunk, SchedulerOutput
+from kvlab.scheduler import ScheduledChunk, SchedulerOutput, StepResult
 
 
 @dataclass
@@ -135,7 +135,7 @@ class ModelRunner:
 
     # ---- 3. tokens --------------------------------------------------------------------------------
 
-    def sample(self, requests: list[Request], logits: torch.Tensor) -> dict[str, int]:
+    def sample(self, requests: list[Request], logits: torch.Tensor) -> StepResult:
         """One token per request. Plain greedy rows in one argmax; the rest through each request's Sampler."""
         tokens: dict[str, int] = {}
         plain = [i for i, r in enumerate(requests) if r.params.is_greedy and r.params.repetition_penalty == 1.0]
@@ -152,7 +152,7 @@ class ModelRunner:
             if r.params.repetition_penalty != 1.0:
                 history = torch.tensor(r.all_token_ids, device=logits.device)
             tokens[r.request_id] = sampler(logits[i], history)
-        return tokens
+        return StepResult({rid: [t] for rid, t in tokens.items()})
 
     def release(self, request_id: str) -> None:
         """Forget a finished request's sampler."""

@@ -10,7 +10,10 @@ the budget (`max_num_batched_tokens`) and `max_num_seqs` allow:
        blocks are freed and it goes back to the front of the queue, to be recomputed later;
     2. then waiting requests, first come first served, each starting after its prefix-cache hit.
 
-A chunk that reaches the end of its request's known tokens yields logits, and a token is sampled.
+A chunk that reaches the end of its request's known tokens yields logits, and tokens are sampled.
+After the step, `update` takes the runner's StepResult: a request keeps the K/V of the positions
+that were accepted (all of them, unless a verifier rejected drafted ones, which are truncated away),
+only then are its newly full blocks made findable, and its new tokens are appended.
 """
 
 from __future__ import annotations
@@ -21,6 +24,23 @@ from dataclasses import dataclass, field
 
 from kvlab.kv.manager import BlockOp, KVCacheManager
 from kvlab.request import Request, RequestStatus
+
+
+@dataclass
+class StepResult:
+    """What a step's forward and sampling gave each request (the runner's answer to a plan)."""
+
+    sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)  # request id → tokens to append
+    # request id → positions computed this step whose K/V must be dropped (drafts a verifier rejected)
+    num_rejected_tokens: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def num_sampled(self) -> int:
+        return sum(len(t) for t in self.sampled_token_ids.values())
+
+    def merge(self, other: StepResult) -> None:
+        self.sampled_token_ids.update(other.sampled_token_ids)
+        self.num_rejected_tokens.update(other.num_rejected_tokens)
 
 
 @dataclass(frozen=True)
@@ -86,7 +106,7 @@ class Scheduler:
     # ---- the plan for one step -------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput(step=self.num_steps)
+        out = SchedulerOutput(step=self.num_steps, block_ops=self.kv.take_pending_ops())
         self.num_steps += 1
         budget = self.config.max_num_batched_tokens
         scheduled: set[str] = set()
@@ -144,25 +164,35 @@ class Scheduler:
 
     # ---- after the step ----------------------------------------------------------------------------
 
-    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        """Advance every scheduled request; append sampled tokens. Returns the requests that got one."""
+    def update(self, out: SchedulerOutput, result: StepResult) -> list[Request]:
+        """Advance every scheduled request by its accepted positions; append its sampled tokens.
+
+        Returns the requests that gained tokens. Blocks become findable only once every token in them
+        is accepted; rejected positions are truncated from the request's KV first.
+        """
         got = []
         for chunk in out.chunks:
             req = chunk.request
             if req.is_finished:
                 continue
-            req.num_computed_tokens = chunk.end
+            rejected = result.num_rejected_tokens.get(req.request_id, 0)
+            req.num_computed_tokens = chunk.end - rejected
+            if rejected:
+                self.kv.truncate(req, req.num_computed_tokens)
             self.kv.register_full_blocks(req)
-            token = sampled.get(req.request_id)
-            if token is None:
+            tokens = result.sampled_token_ids.get(req.request_id)
+            if not tokens:
                 continue
             got.append(req)
-            status = req.append_token(token)
-            if status is not None:
-                self.finish_request(req, status)
-            elif self.config.recompute_every_step:
-                self.kv.free(req)
-                req.num_computed_tokens = 0
+            for token in tokens:
+                status = req.append_token(token)
+                if status is not None:
+                    self.finish_request(req, status)
+                    break
+            else:
+                if self.config.recompute_every_step:
+                    self.kv.free(req)
+                    req.num_computed_tokens = 0
         return got
 
     def finish_request(self, req: Request, status: RequestStatus) -> None:
