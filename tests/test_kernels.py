@@ -1,4 +1,4 @@
-"""The decode GEMV kernel: same numbers as BLAS, same tokens with it on or off."""
+"""The decode GEMV kernel: same numbers as BLAS, same tokens with it on or off, shapes checked on every path."""
 
 from __future__ import annotations
 
@@ -121,3 +121,67 @@ def test_small_ops_stay_in_pytorch_where_c_does_not_apply():
     assert not small_ops_apply(torch.randn(1, gemv.MAX_ROWS + 1, 64), gemv.MAX_ROWS + 1)  # prefill-sized
     x = torch.randn(1, 1, 4, 64).transpose(2, 3)  # not [.., heads, D] with D contiguous
     assert not rope_in_place(x, torch.randn(1, 1, 1, 4), torch.randn(1, 1, 1, 4))
+
+
+@pytest.mark.parametrize(
+    "x_shape, w_shape, b_shape",
+    [((1, 5), (8, 3), None), ((40, 5), (8, 3), None), ((2, 3), (8, 3), (5,)), ((2, 3), (8, 3), (1, 8)),
+     ((), (8, 3), None), ((1, 3), (8, 3, 1), None)],
+)  # fmt: skip
+def test_linear_refuses_shapes_that_do_not_fit(x_shape, w_shape, b_shape):
+    """Where F.linear raises, so does linear, on the kernel's path (≤ MAX_ROWS rows) and on BLAS's."""
+    x, w = torch.randn(x_shape), torch.randn(w_shape)
+    with pytest.raises(ValueError):
+        linear(x, w, None if b_shape is None else torch.randn(b_shape))
+
+
+@needs_kernel
+def test_a_strided_bias_is_read_by_its_strides():
+    g = torch.Generator().manual_seed(5)
+    w, x = torch.randn(37, 64, generator=g), torch.randn(2, 64, generator=g)
+    bias = torch.randn(37, 2, generator=g)[:, 1]  # every other float of its storage
+    assert not bias.is_contiguous()
+    got = linear(x, w, bias)
+    assert torch.equal(got, linear(x, w, bias.contiguous()))
+    assert (got - F.linear(x, w, bias)).abs().max().item() < 1e-4
+
+
+@needs_kernel
+def test_explicit_threads_override_the_process_default(monkeypatch):
+    seen = []
+    monkeypatch.setattr(gemv, "_gemv_into", lambda *a: seen.append(a[-1]))
+    w, x = torch.randn(32, 16), torch.randn(1, 16)
+    gemv.set_kernel_threads(3)
+    try:
+        linear(x, w, threads=5)
+        linear(x, w)
+    finally:
+        gemv.set_kernel_threads(None)
+    assert seen == [5, 3]
+    with pytest.raises(ValueError):
+        linear(x, w, threads=0)
+
+
+@needs_kernel
+def test_two_models_generating_in_two_threads_get_their_tokens_alone(tiny_chat_model):
+    """Two engines share the kernels' pool; side by side they must give the tokens each gives alone
+    (before the pool refused a second caller, they did not, in about one run of this test in three)."""
+    import threading
+
+    from kvlab import LLM, SamplingParams
+
+    p = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
+    prompts = ["The capital of France is", "Once upon a time"]
+    llms = [LLM(tiny_chat_model), LLM(tiny_chat_model)]
+    alone = [llm.generate(prompt, p).token_ids for llm, prompt in zip(llms, prompts)]
+    together: list = [None, None]
+
+    def run(i: int):
+        together[i] = [llms[i].generate(prompts[i], p).token_ids for _ in range(6)]
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert together == [[alone[0]] * 6, [alone[1]] * 6]

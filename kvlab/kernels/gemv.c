@@ -9,22 +9,18 @@
 // while it sits in L1; the vector accumulators stay in registers.
 // W may be float32, bfloat16 or float16; x, y and the sums are float32.
 //
-// Threads: a small pool of its own, not OpenMP. The caller and the workers claim chunks of blocks
-// from one atomic counter, and the caller waits only for chunks already claimed. On a busy machine a
-// worker that is not scheduled simply claims nothing, where an OpenMP barrier would stall every
-// call until it runs (measured here: 20x slower decode while another process held a core).
+// Threads: the kernels' own pool (pool.c), not OpenMP. A product is a list of work items (blocks of
+// output rows) that the calling thread and the pool's workers claim in chunks.
 //
 // Built at first use with the machine's own C compiler, -O3 -march=native -pthread (see gemv.py).
 // GCC/Clang vector extensions keep it portable: 8-float vectors map to AVX/AVX2 registers, or are
 // split by the compiler on narrower machines.
 
 #include <math.h>
-#include <pthread.h>
-#include <sched.h>
-#include <stdatomic.h>
 #include <stdint.h>
 #include <string.h>
-#include <time.h>
+
+#include "pool.h"
 #if defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>  // one-instruction widening of 16-bit weights where the CPU has it
 #endif
@@ -81,10 +77,10 @@ static inline float hsum(v8f v) { return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2
 
 // out[0..3] = dot(W rows 0..3 of the block, x), n elements each
 #define DEFINE_BLOCK_DOT(NAME, W_T, LOAD, SCALAR)                                                  \
-    static inline void NAME(const W_T* w, const float* x, float* out, long n) {                  \
+    static inline void NAME(const W_T* w, const float* x, float* out, int64_t n) {               \
         const W_T *w0 = w, *w1 = w + n, *w2 = w + 2 * n, *w3 = w + 3 * n;                         \
         v8f a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, b0 = {0}, b1 = {0}, b2 = {0}, b3 = {0};        \
-        long i = 0;                                                                                \
+        int64_t i = 0;                                                                             \
         for (; i + 16 <= n; i += 16) {                                                             \
             v8f x0 = load_f32(x + i), x1 = load_f32(x + i + 8);                                    \
             a0 += LOAD(w0 + i) * x0; b0 += LOAD(w0 + i + 8) * x1;                                  \
@@ -104,11 +100,11 @@ static inline float hsum(v8f v) { return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2
 
 // the same for short rows, each row in turn: the block is one sequential stream
 #define DEFINE_ROW_DOT(NAME, W_T, LOAD, SCALAR)                                                    \
-    static inline void NAME(const W_T* w, const float* x, float* out, long n) {                  \
+    static inline void NAME(const W_T* w, const float* x, float* out, int64_t n) {               \
         for (int r = 0; r < BLOCK; r++) {                                                          \
             const W_T* wr = w + r * n;                                                             \
             v8f a = {0}, b = {0}, c = {0}, d = {0};                                                \
-            long i = 0;                                                                            \
+            int64_t i = 0;                                                                         \
             for (; i + 32 <= n; i += 32) {                                                         \
                 a += LOAD(wr + i) * load_f32(x + i);                                               \
                 b += LOAD(wr + i + 8) * load_f32(x + i + 8);                                       \
@@ -122,154 +118,65 @@ static inline float hsum(v8f v) { return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2
         }                                                                                          \
     }
 
-// ---- the job and the thread pool ----------------------------------------------------------------
+// ---- one product as the pool's work items --------------------------------------------------------
 
-#define CHUNK 8  // blocks (32 rows) claimed at a time
-#define MAX_WORKERS 63
+#define CHUNK 8  // items (blocks of 32 rows) claimed at a time
 
-#if defined(__x86_64__) || defined(__i386__)
-#define cpu_relax() __builtin_ia32_pause()
-#elif defined(__aarch64__)
-#define cpu_relax() __asm__ __volatile__("yield")
-#else
-#define cpu_relax() ((void)0)
-#endif
-
-typedef void (*BlockFn)(const void* w, const float* x, float* out, long n);
+typedef void (*BlockFn)(const void* w, const float* x, float* out, int64_t n);
+typedef float (*ScalarFn)(const void* w, int64_t i);
 
 typedef struct {
     BlockFn dot;
+    ScalarFn scalar;
     const char* w;
-    long w_row_bytes;
+    int64_t w_row_bytes;
     const float *x, *bias;
     float* y;
-    long m, n, out, blocks;
-    int helpers;  // workers allowed to claim chunks of this job
-} Job;
+    int64_t m, n, out;
+} Gemv;
 
-// Job g lives in jobs[g & 1]. A worker can wake late, after job g is finished and job g+1 has begun;
-// it must neither read a half-written job nor count work under the wrong job. So the driver writes a
-// slot only for job g+2, after claims are tagged g+1, and a worker checks the claim tag after copying
-// its slot: a copy that could be torn always fails that check (fences on both sides order the two).
-static Job jobs[2];
-static atomic_long claim;         // (generation << 32) | next block to hand out
-static atomic_long done_blocks;   // blocks finished in the current job
-static atomic_long generation;    // bumped once per job: what idle workers watch
-static atomic_int sleepers;
-static int num_workers;
-static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
-static pthread_cond_t wake = PTHREAD_COND_INITIALIZER;
-
-static void run_chunks(long gen) {
-    const Job j = jobs[gen & 1];  // valid while claims are tagged `gen` (checked below, after the copy)
-    atomic_thread_fence(memory_order_acquire);
-    for (;;) {
-        long v = atomic_load_explicit(&claim, memory_order_acquire), b0;
-        do {
-            if ((v >> 32) != gen) return;
-            b0 = v & 0xffffffffL;
-            if (b0 >= j.blocks) return;
-        } while (!atomic_compare_exchange_weak_explicit(&claim, &v, v + CHUNK, memory_order_acq_rel,
-                                                        memory_order_acquire));
-        long b1 = b0 + CHUNK < j.blocks ? b0 + CHUNK : j.blocks;
-        for (long b = b0; b < b1; b++) {
-            float res[BLOCK];
-            for (long r = 0; r < j.m; r++) {
-                j.dot(j.w + b * BLOCK * j.w_row_bytes, j.x + r * j.n, res, j.n);
-                for (int k = 0; k < BLOCK; k++)
-                    j.y[r * j.out + b * BLOCK + k] = res[k] + (j.bias ? j.bias[b * BLOCK + k] : 0.0f);
-            }
+// Item b < out / BLOCK is output rows 4b .. 4b+3 for every activation row; one more item, when
+// out % BLOCK rows are left, is those rows. Each output value is one thread's sum in one fixed order,
+// so the result does not depend on the number of threads or on who ran which item.
+static void gemv_items(void* ctx, uint32_t begin, uint32_t end) {
+    const Gemv g = *(const Gemv*)ctx;
+    const int64_t blocks = g.out / BLOCK;
+    for (int64_t b = begin; b < end; b++) {
+        if (b == blocks) {  // the scalar tail
+            for (int64_t o = blocks * BLOCK; o < g.out; o++)
+                for (int64_t r = 0; r < g.m; r++) {
+                    float s = g.bias ? g.bias[o] : 0.0f;
+                    for (int64_t i = 0; i < g.n; i++) s += g.scalar(g.w, o * g.n + i) * g.x[r * g.n + i];
+                    g.y[r * g.out + o] = s;
+                }
+            continue;
         }
-        atomic_fetch_add_explicit(&done_blocks, b1 - b0, memory_order_release);
-    }
-}
-
-static double seconds(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return t.tv_sec + 1e-9 * t.tv_nsec;
-}
-
-static void* worker(void* arg) {
-    int index = (int)(intptr_t)arg;
-    long seen = atomic_load(&generation);
-    for (;;) {
-        double idle_since = seconds();
-        long gen;
-        int spins = 0;
-        while ((gen = atomic_load_explicit(&generation, memory_order_acquire)) == seen) {
-            if (++spins < 2000) {
-                cpu_relax();
-                continue;
-            }
-            spins = 0;
-            if (seconds() - idle_since < 0.002) {  // decode calls come every ~100 us: stay warm
-                sched_yield();
-                continue;
-            }
-            pthread_mutex_lock(&lock);  // idle for 2 ms: sleep until the next job
-            atomic_fetch_add(&sleepers, 1);
-            while (atomic_load(&generation) == seen) pthread_cond_wait(&wake, &lock);
-            atomic_fetch_sub(&sleepers, 1);
-            pthread_mutex_unlock(&lock);
+        float res[BLOCK];
+        for (int64_t r = 0; r < g.m; r++) {
+            g.dot(g.w + b * BLOCK * g.w_row_bytes, g.x + r * g.n, res, g.n);
+            for (int k = 0; k < BLOCK; k++)
+                g.y[r * g.out + b * BLOCK + k] = res[k] + (g.bias ? g.bias[b * BLOCK + k] : 0.0f);
         }
-        seen = gen;
-        if (index < jobs[gen & 1].helpers) run_chunks(gen);  // a stale read only decides whether to try
     }
-    return NULL;
-}
-
-static void ensure_workers(int n) {
-    if (n > MAX_WORKERS) n = MAX_WORKERS;
-    while (num_workers < n) {
-        pthread_t t;
-        if (pthread_create(&t, NULL, worker, (void*)(intptr_t)num_workers) != 0) return;
-        pthread_detach(t);
-        num_workers++;
-    }
-}
-
-// The scalar tail (out % 4 rows) and the one-job-at-a-time driver shared by every weight type.
-static void gemv(BlockFn dot, const void* w, long elem_bytes, float (*scalar)(const void*, long),
-                 const float* x, const float* bias, float* y, long m, long n, long out, int threads) {
-    long blocks = out / BLOCK;
-    int helpers = threads > 1 ? threads - 1 : 0;
-    ensure_workers(helpers);
-    long gen = atomic_load(&generation) + 1;
-    atomic_thread_fence(memory_order_seq_cst);  // claims tagged gen-1 are visible before the slot changes
-    jobs[gen & 1] = (Job){dot, (const char*)w, n * elem_bytes, x, bias, y, m, n, out, blocks, helpers};
-    atomic_store_explicit(&done_blocks, 0, memory_order_relaxed);
-    atomic_store_explicit(&claim, gen << 32, memory_order_release);
-    atomic_store_explicit(&generation, gen, memory_order_release);
-    if (helpers && atomic_load(&sleepers) > 0) {
-        pthread_mutex_lock(&lock);
-        pthread_cond_broadcast(&wake);
-        pthread_mutex_unlock(&lock);
-    }
-    run_chunks(gen);
-    while (atomic_load_explicit(&done_blocks, memory_order_acquire) < blocks) cpu_relax();
-    for (long o = blocks * BLOCK; o < out; o++)
-        for (long r = 0; r < m; r++) {
-            float s = bias ? bias[o] : 0.0f;
-            for (long i = 0; i < n; i++) s += scalar(w, o * n + i) * x[r * n + i];
-            y[r * out + o] = s;
-        }
 }
 
 // ---- the exported functions: one per weight type ----------------------------------------------
 // x: [m, n] float32; y: [m, out] float32; bias: [out] float32 or NULL; W: [out, n]
 
 #define DEFINE_GEMV(NAME, BLOCK_DOT, ROW_DOT, W_T, SCALAR)                                         \
-    static void NAME##_block(const void* w, const float* x, float* out, long n) {                  \
+    static void NAME##_block(const void* w, const float* x, float* out, int64_t n) {               \
         if (n <= SHORT_ROW)                                                                        \
             ROW_DOT((const W_T*)w, x, out, n);                                                     \
         else                                                                                       \
             BLOCK_DOT((const W_T*)w, x, out, n);                                                   \
     }                                                                                              \
-    static float NAME##_scalar(const void* w, long i) { return SCALAR(((const W_T*)w)[i]); }      \
-    void NAME(const W_T* w, const float* x, const float* bias, float* y, long m, long n, long out, \
-              int threads) {                                                                       \
-        gemv(NAME##_block, w, sizeof(W_T), NAME##_scalar, x, bias, y, m, n, out, threads);         \
+    static float NAME##_scalar(const void* w, int64_t i) { return SCALAR(((const W_T*)w)[i]); }    \
+    void NAME(const W_T* w, const float* x, const float* bias, float* y, int64_t m, int64_t n,     \
+              int64_t out, int threads) {                                                          \
+        Gemv g = {NAME##_block, NAME##_scalar, (const char*)w, n * (int64_t)sizeof(W_T),           \
+                  x, bias, y, m, n, out};                                                          \
+        uint32_t items = (uint32_t)(out / BLOCK + (out % BLOCK != 0)); /* gemv.py: out < 2^31 */   \
+        kvlab_pool_run(gemv_items, &g, items, CHUNK, threads);                                     \
     }
 
 DEFINE_BLOCK_DOT(block_dot_f32, float, load_f32, scalar_f32)
@@ -287,11 +194,11 @@ DEFINE_GEMV(kvlab_gemv_f16, block_dot_f16, row_dot_f16, _Float16, scalar_f16)
 // In PyTorch each is several dispatched kernels of a few microseconds apiece; here, one call.
 
 // y[r] = x[r] / sqrt(mean(x[r]²) + eps) · w, for each of `rows` rows of n (transformers' order)
-void kvlab_rms_norm_f32(const float* x, const float* w, float* y, long rows, long n, float eps) {
-    for (long r = 0; r < rows; r++) {
+void kvlab_rms_norm_f32(const float* x, const float* w, float* y, int64_t rows, int64_t n, float eps) {
+    for (int64_t r = 0; r < rows; r++) {
         const float* xr = x + r * n;
         v8f acc = {0};
-        long i = 0;
+        int64_t i = 0;
         for (; i + 8 <= n; i += 8) {
             v8f v = load_f32(xr + i);
             acc += v * v;
@@ -305,18 +212,18 @@ void kvlab_rms_norm_f32(const float* x, const float* w, float* y, long rows, lon
 
 // Rotate, in place, `heads` heads of head_dim D in each of `tokens` tokens (token t starts at
 // x + t·token_stride): x[i] ← x[i]·cos[i] + x[(i + D/2) mod D]·signed_sin[i], with the tables' row t.
-void kvlab_rope_f32(float* x, const float* cos, const float* signed_sin, long tokens, long heads, long d,
-                    long token_stride) {
+void kvlab_rope_f32(float* x, const float* cos, const float* signed_sin, int64_t tokens, int64_t heads, int64_t d,
+                    int64_t token_stride) {
     float tmp[1024];
     if (d > 1024) return;  // never called so (gemv.py checks); head dims are 64-256
-    long half = d / 2;
-    for (long t = 0; t < tokens; t++) {
+    int64_t half = d / 2;
+    for (int64_t t = 0; t < tokens; t++) {
         const float *c = cos + t * d, *s = signed_sin + t * d;
-        for (long h = 0; h < heads; h++) {
+        for (int64_t h = 0; h < heads; h++) {
             float* v = x + t * token_stride + h * d;
             memcpy(tmp, v, d * sizeof(float));
-            for (long i = 0; i < half; i++) v[i] = tmp[i] * c[i] + tmp[i + half] * s[i];
-            for (long i = half; i < d; i++) v[i] = tmp[i] * c[i] + tmp[i - half] * s[i];
+            for (int64_t i = 0; i < half; i++) v[i] = tmp[i] * c[i] + tmp[i + half] * s[i];
+            for (int64_t i = half; i < d; i++) v[i] = tmp[i] * c[i] + tmp[i - half] * s[i];
         }
     }
 }

@@ -3,9 +3,12 @@
 A decode step multiplies one activation row per sequence by every weight matrix, so its time is
 the time to read the weights. PyTorch's CPU matmul reads them at well under the memory's speed
 when only one row comes in; `gemv.c` reads each matrix once, in order, on all threads. It is
-compiled at first use with the machine's C compiler (`-march=native`, its own thread pool) into
-$KVLAB_HOME/kernels and loaded with ctypes. Without a compiler, on CUDA, or with
+compiled at first use with the machine's C compiler (`-march=native`, with the thread pool of
+`pool.c`) into $KVLAB_HOME/kernels and loaded with ctypes. Without a compiler, on CUDA, or with
 KVLAB_KERNELS=0, every call goes to `torch.nn.functional.linear`.
+
+The pool serves one call at a time; a call from another thread meanwhile computes on its own
+thread, with the same result (no output value depends on the number of threads).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import threading
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -24,17 +28,21 @@ import torch
 import torch.nn.functional as F
 
 MAX_ROWS = 32  # up to a batched decode step of 32 sequences; prefill-sized inputs go to BLAS
-_SOURCE = Path(__file__).with_name("gemv.c")
+_SOURCES = [Path(__file__).with_name(name) for name in ("gemv.c", "pool.c")]
+_HEADERS = [Path(__file__).with_name("pool.h")]
 _FLAGS = ["-O3", "-march=native", "-pthread", "-shared", "-fPIC", "-std=gnu11", "-lm"]
+_MAX_OUT = 2**31  # output rows: the pool numbers work items (4 rows each) in 32 bits
 _NAMES = {torch.float32: "kvlab_gemv_f32", torch.bfloat16: "kvlab_gemv_bf16", torch.float16: "kvlab_gemv_f16"}
 # weight dtype → compiled function; {} until first use, stays {} when disabled or unavailable
 _kernels: dict[torch.dtype, object] = {}
 _ops: dict[str, object] = {}  # the small decode ops (rms_norm, rope), float32 only
+_pool: dict[str, object] = {}  # the thread pool's hooks for tests and benchmarks (pool_stats, ...)
 _state = {"enabled": os.environ.get("KVLAB_KERNELS", "1") != "0", "loaded": False, "threads": None}
+_load_lock = threading.Lock()  # a second thread waits for the first one's build instead of using BLAS
 
 
 def set_kernel_threads(threads: int | None) -> None:
-    """Threads the GEMV pool uses (None: torch's own thread count)."""
+    """Threads the GEMV pool uses where a call does not say (None: torch's own thread count)."""
     _state["threads"] = threads
 
 
@@ -88,16 +96,25 @@ def _build(target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         out = Path(tmp) / target.name
-        subprocess.run([compiler, *_FLAGS, str(_SOURCE), "-o", str(out)], check=True, capture_output=True)
+        sources = [str(path) for path in _SOURCES]
+        subprocess.run([compiler, *_FLAGS, *sources, "-o", str(out)], check=True, capture_output=True)
         os.replace(out, target)  # atomic: a half-written library is never loaded
+
+
+def _ensure_loaded() -> None:
+    if not _state["loaded"]:
+        with _load_lock:
+            if not _state["loaded"]:
+                _load()
+                _state["loaded"] = True
 
 
 def _load() -> None:
     """Compile (once per machine and source version) and load the kernels; silently stay empty on failure."""
-    _state["loaded"] = True
     from kvlab.hub import kvlab_home
 
-    key = hashlib.sha256(_SOURCE.read_bytes() + " ".join(_FLAGS).encode() + _cpu_fingerprint().encode())
+    key = hashlib.sha256(b"".join(path.read_bytes() for path in _SOURCES + _HEADERS))
+    key.update(" ".join(_FLAGS).encode() + _cpu_fingerprint().encode())
     target = kvlab_home() / "kernels" / f"gemv-{key.hexdigest()[:16]}.so"
     try:
         if not target.exists():
@@ -105,48 +122,121 @@ def _load() -> None:
         lib = ctypes.CDLL(str(target))
     except (OSError, subprocess.CalledProcessError):
         return  # no compiler or an odd platform: BLAS serves every call
+    int64, pointer = ctypes.c_int64, ctypes.c_void_p
     for dtype, name in _NAMES.items():
-        fn = getattr(lib, name)
-        fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3 + [ctypes.c_int]
-        fn.restype = None
-        _kernels[dtype] = fn
-    _ops["rms_norm"] = lib.kvlab_rms_norm_f32
-    _ops["rms_norm"].argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 2 + [ctypes.c_float]
-    _ops["rope"] = lib.kvlab_rope_f32
-    _ops["rope"].argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 4
-    for fn in _ops.values():
-        fn.restype = None
+        _kernels[dtype] = _bind(lib, name, [pointer] * 4 + [int64] * 3 + [ctypes.c_int])
+    _ops["rms_norm"] = _bind(lib, "kvlab_rms_norm_f32", [pointer] * 3 + [int64] * 2 + [ctypes.c_float])
+    _ops["rope"] = _bind(lib, "kvlab_rope_f32", [pointer] * 3 + [int64] * 4)
+    _pool["stats"] = _bind(lib, "kvlab_pool_stats", [ctypes.POINTER(_PoolStats)])
+    _pool["set_generation"] = _bind(lib, "kvlab_pool_set_generation", [ctypes.c_uint32], ctypes.c_int)
+    _pool["hold"] = _bind(lib, "kvlab_pool_hold", [ctypes.c_int], ctypes.c_int)
+
+
+def _bind(lib: ctypes.CDLL, name: str, argtypes: list, restype=None):
+    fn = getattr(lib, name)
+    fn.argtypes, fn.restype = argtypes, restype
+    return fn
+
+
+def _new_load_lock_after_fork() -> None:
+    global _load_lock
+    _load_lock = threading.Lock()  # a parent's thread may have held it, and none of them is in the child
+
+
+os.register_at_fork(after_in_child=_new_load_lock_after_fork)
 
 
 def gemv_available() -> bool:
-    if not _state["loaded"]:
-        _load()
+    _ensure_loaded()
     return kernels_enabled() and bool(_kernels)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., in] @ weight[out, in]ᵀ (+ bias) → [..., out]."""
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, threads: int | None = None
+) -> torch.Tensor:
+    """x [..., in] @ weight[out, in]ᵀ (+ bias [out]) → [..., out].
+
+    threads: the GEMV pool's threads for this call (None: `set_kernel_threads`' value, else torch's).
+    Raises ValueError where the shapes do not fit, on every path.
+    """
+    _check_shapes(x, weight, bias)
+    if threads is not None and threads < 1:
+        raise ValueError(f"linear: threads must be at least 1, got {threads}")
     out_features, in_features = weight.shape
-    rows = x.numel() // in_features
-    if rows <= MAX_ROWS and _state["enabled"] and x.device.type == "cpu":
-        if not _state["loaded"]:
-            _load()
+    rows = x.numel() // max(in_features, 1)
+    on_cpu = x.device.type == weight.device.type == "cpu" and (bias is None or bias.device.type == "cpu")
+    if 0 < rows <= MAX_ROWS and in_features > 0 and out_features < _MAX_OUT and on_cpu and _state["enabled"]:
+        _ensure_loaded()
         fn = _kernels.get(weight.dtype)
         if fn is not None and weight.is_contiguous():
-            return _gemv(fn, x, weight, bias, rows, in_features, out_features)
+            return _gemv(fn, x, weight, bias, threads or _state["threads"] or torch.get_num_threads())
     return F.linear(x, weight, bias)
 
 
-def _gemv(fn, x, weight, bias, rows: int, in_features: int, out_features: int) -> torch.Tensor:
-    xf = x if x.dtype == torch.float32 and x.is_contiguous() else x.float().contiguous()
-    if bias is not None and bias.dtype != torch.float32:
-        bias = bias.float()
-    y = torch.empty(rows, out_features)
-    fn(weight.data_ptr(), xf.data_ptr(), 0 if bias is None else bias.data_ptr(), y.data_ptr(),
-       rows, in_features, out_features, _state["threads"] or torch.get_num_threads())  # fmt: skip
+def _check_shapes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    if weight.dim() != 2:
+        raise ValueError(f"linear: weight must be [out, in], got {list(weight.shape)}")
+    out_features, in_features = weight.shape
+    if x.dim() == 0 or x.shape[-1] != in_features:
+        raise ValueError(f"linear: x {list(x.shape)} cannot be multiplied by weight {list(weight.shape)}ᵀ")
+    if bias is not None and tuple(bias.shape) != (out_features,):
+        raise ValueError(f"linear: bias {list(bias.shape)} does not fit weight {list(weight.shape)}")
+
+
+def _gemv(fn, x, weight, bias, threads: int) -> torch.Tensor:
+    out_features, in_features = weight.shape
+    xf = x.reshape(-1, in_features)  # [rows, in]
+    if xf.dtype != torch.float32 or not xf.is_contiguous():
+        xf = xf.float().contiguous()
+    y = torch.empty(xf.shape[0], out_features)
+    _gemv_into(fn, y, xf, weight, bias, threads)
     if x.dtype != torch.float32:
         y = y.to(x.dtype)
     return y.view(*x.shape[:-1], out_features)
+
+
+def _gemv_into(fn, y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias, threads: int) -> None:
+    """y [rows, out] ← x [rows, in] @ weightᵀ (+ bias): float32 y and x, contiguous (the caller checks)."""
+    if bias is not None:
+        bias = bias.float().contiguous()  # the kernel reads out_features floats in a row
+    rows, in_features = x.shape
+    fn(weight.data_ptr(), x.data_ptr(), 0 if bias is None else bias.data_ptr(), y.data_ptr(),
+       rows, in_features, weight.shape[0], threads)  # fmt: skip
+
+
+# ---- the thread pool, for tests and benchmarks -------------------------------------------------
+
+
+class _PoolStats(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_uint64) for name in ("generation", "workers", "asleep", "wakeups", "solo_calls")]
+
+
+def pool_stats() -> dict[str, int]:
+    """The pool's counters: the last job's generation, workers started and asleep, worker wakeups, and
+    calls that found the pool busy and ran on their own thread. {} without the kernel."""
+    _ensure_loaded()
+    if not _pool:
+        return {}
+    stats = _PoolStats()
+    _pool["stats"](ctypes.byref(stats))
+    return {name: getattr(stats, name) for name, _ in _PoolStats._fields_}
+
+
+def _set_pool_generation(generation: int) -> None:
+    """Start the pool's job counter at `generation` (tests of its wrap-around at 2³¹ and 2³²)."""
+    if _pool["set_generation"](generation) != 0:
+        raise RuntimeError("the kernel pool is busy")
+
+
+@contextmanager
+def _pool_held():
+    """Hold the pool as another caller would: every kernel call meanwhile runs on its own thread (tests)."""
+    if _pool["hold"](1) != 0:
+        raise RuntimeError("the kernel pool is busy")
+    try:
+        yield
+    finally:
+        _pool["hold"](0)
 
 
 # ---- the small ops of a decode step ------------------------------------------------------------
@@ -158,8 +248,7 @@ def small_ops_apply(x: torch.Tensor, tokens: int) -> bool:
     """Whether the C versions of the small ops take a float32 CPU tensor of `tokens` tokens (decode-sized)."""
     if x.dtype != torch.float32 or x.device.type != "cpu" or not _state["enabled"] or tokens > MAX_ROWS:
         return False
-    if not _state["loaded"]:
-        _load()
+    _ensure_loaded()
     return bool(_ops)
 
 
