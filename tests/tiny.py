@@ -92,8 +92,12 @@ def _permute_like_llama_cpp(w: "torch.Tensor", num_heads: int) -> "torch.Tensor"
     return w.reshape(num_heads, 2, rows // num_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def build_tiny_gguf(hf_dir: Path, out: Path, quant: str = "F32") -> Path:
-    """Convert a tiny llama/qwen2 model (with its tokenizer) into a GGUF file, as llama.cpp would."""
+def build_tiny_gguf(hf_dir: Path, out: Path, quant="F32") -> Path:
+    """Convert a tiny llama/qwen2 model (with its tokenizer) into a GGUF file, as llama.cpp would.
+
+    `quant`: the GGML type of every matrix ("F32", "F16", "Q8_0", "Q4_0", "Q4_1", "Q5_0"), or a
+    function from the GGUF tensor name to one (a mixed file, as Q4_K_M files are); vectors stay F32.
+    """
     import json
 
     import gguf
@@ -150,11 +154,12 @@ def build_tiny_gguf(hf_dir: Path, out: Path, quant: str = "F32") -> Path:
             heads = cfg["num_attention_heads"] if "attn_q" in gguf_name else cfg["num_key_value_heads"]
             tensor = _permute_like_llama_cpp(tensor, heads)
         data = tensor.float().numpy()
-        if quant == "Q8_0" and data.ndim == 2:
-            qtype = gguf.GGMLQuantizationType.Q8_0
-            writer.add_tensor(gguf_name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
-        else:
+        kind = (quant(gguf_name) if callable(quant) else quant) if data.ndim == 2 else "F32"
+        if kind == "F32":
             writer.add_tensor(gguf_name, np.ascontiguousarray(data))
+        else:
+            qtype = gguf.GGMLQuantizationType[kind]
+            writer.add_tensor(gguf_name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -1,9 +1,10 @@
 """Building blocks of the decoder: RMSNorm, the embedding table, the linear layer, SwiGLU MLP.
 
 The linear layer is a seam: every product with a weight matrix goes through one (never a slice of its
-weight taken from outside), and each layer reports the bytes it holds and the bytes a token's pass
-reads from it, so the model's weight bytes, the roofline and the memory plan ask the layers, not
-`parameters()`. A packed weight format is another implementation of the same three methods.
+weight taken from outside), and each weight-holding layer lists its tensors (`weight_tensors`) and
+reports the bytes it holds and the bytes a token's pass reads from it, so the model's weight bytes,
+the roofline and the memory plan ask the layers, not `parameters()`. Weights kept in their stored
+block formats are other implementations of the same methods (`kvlab.quant.linear`).
 """
 
 from __future__ import annotations
@@ -32,6 +33,9 @@ class RMSNorm(nn.Module):
         normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * normed.to(x.dtype)  # 16-bit: round, then scale (transformers' order)
 
+    def weight_tensors(self) -> list[torch.Tensor]:
+        return [self.weight]
+
     def nbytes(self) -> int:
         return tensor_bytes(self.weight)
 
@@ -52,6 +56,9 @@ class Embedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(ids, self.weight)
+
+    def weight_tensors(self) -> list[torch.Tensor]:
+        return [self.weight]
 
     def nbytes(self) -> int:
         """Bytes held."""
@@ -88,6 +95,9 @@ class Linear(nn.Module):
             biases = self.bias.split(self.parts) if self.bias is not None else [None] * len(self.parts)
             return tuple(F.linear(x, w, b) for w, b in zip(weights, biases))
         return self(x).split(self.parts, dim=-1)  # decode: one streaming pass over the whole matrix
+
+    def weight_tensors(self) -> list[torch.Tensor]:
+        return [self.weight] + ([self.bias] if self.bias is not None else [])
 
     def nbytes(self) -> int:
         """Bytes held: the weight and the bias as stored."""

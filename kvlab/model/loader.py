@@ -16,6 +16,8 @@ from kvlab.model.registry import architecture_of, check_architecture_name
 from kvlab.model.rope import RotaryEmbedding
 from kvlab.model.transformer import Transformer
 from kvlab.model.weights import iter_gguf, iter_safetensors, load_weights
+from kvlab.quant.quantize import QUANTIZATIONS
+from kvlab.quant.transform import quantize_model
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -26,6 +28,7 @@ class LoadedModel:
     config: ModelConfig
     path: Path  # the .gguf file or the directory it came from
     load_s: float
+    weight_format: str = ""  # how the matrices are held: 'float32', 'Q4_1 + Q8_0 (as stored)', ...
 
     @property
     def weight_bytes(self) -> int:
@@ -52,8 +55,20 @@ def resolve_source(source: str | Path) -> Path:
     return Path(resolve_model(str(source)))
 
 
-def load_model(source: str | Path, dtype="float32", device="cpu", max_positions: int | None = None) -> LoadedModel:
-    """Read the config and weights of `source` and build the model on `device` in `dtype`."""
+def load_model(
+    source: str | Path,
+    dtype="float32",
+    device="cpu",
+    max_positions: int | None = None,
+    dequantize: bool = False,
+    quantization: str | None = None,
+) -> LoadedModel:
+    """Read the config and weights of `source` and build the model on `device`.
+
+    `dtype` is the activations' (and every float weight's) type. A GGUF file's matrices stay in their
+    own block formats unless `dequantize` expands them to `dtype` at load (the float path, for
+    comparisons); `quantization` ("q8_0", "q4_0") turns a float checkpoint's matrices into blocks.
+    """
     start = time.perf_counter()
     dtype, device = parse_dtype(dtype), torch.device(device)
     path = resolve_source(source)
@@ -70,13 +85,39 @@ def load_model(source: str | Path, dtype="float32", device="cpu", max_positions:
         gguf = GGUFFile(path)
         config = config_from_gguf(gguf)
         architecture = architecture_of(config)
-        tensors = iter_gguf(gguf, config, architecture.gguf_permuted_qk)
+        native = not dequantize and not quantization and native_blocks_supported(device)
+        tensors = iter_gguf(gguf, config, architecture.gguf_permuted_qk, native=native)
     else:
         raise KvlabError(f"no such model file or directory: {path}")
+    if quantization is not None and quantization not in QUANTIZATIONS:
+        raise KvlabError(f"unknown --quantization {quantization!r}: choose one of {', '.join(QUANTIZATIONS)}")
     with torch.device("meta"):
         model = Transformer(config, max_positions=1)  # rotary tables are built for real below
     load_weights(model, tensors, dtype, device)
+    if quantization:
+        quantize_model(model, quantization)
     positions = max_positions or config.max_position_embeddings
     model.rotary = RotaryEmbedding(config.rope, config.head_dim, positions).to(device)
     model.eval()
-    return LoadedModel(model=model, config=config, path=path, load_s=time.perf_counter() - start)
+    return LoadedModel(model=model, config=config, path=path, load_s=time.perf_counter() - start,
+                       weight_format=weight_format(model, quantization))  # fmt: skip
+
+
+def native_blocks_supported(device: torch.device) -> bool:
+    """Whether matrices can stay in their block formats here at a usable speed: on a CPU with the C
+    kernels, or on CUDA (dequantized per layer on the device); elsewhere they are expanded at load."""
+    from kvlab.kernels import quant
+
+    return device.type == "cuda" or (device.type == "cpu" and quant.available())
+
+
+def weight_format(model: Transformer, quantization: str | None = None) -> str:
+    """The matrices' storage in words: 'float32', 'Q4_1 + Q8_0 (as in the file)', 'q8_0 (quantized at load)'."""
+    from kvlab.quant.linear import PackedLinear
+
+    formats = sorted({f for m in model.modules() if isinstance(m, PackedLinear) for f in m.formats})
+    if quantization:
+        return f"{quantization} (quantized at load)"
+    if formats:
+        return " + ".join(formats) + " (as stored)"
+    return str(model.dtype).removeprefix("torch.")

@@ -86,35 +86,34 @@ class Transformer(nn.Module):
 
     # ---- what the weights cost, asked of the layers ---------------------------------------------
 
-    def weight_layers(self) -> list[nn.Module]:
-        """Every module holding weights, each once (a tied LM head is the embedding's matrix)."""
-        modules = [m for m in self.modules() if isinstance(m, (Embedding, Linear, RMSNorm))]
-        if self.lm_head.weight is self.embed_tokens.weight:
-            modules.remove(self.lm_head)
-        return modules
+    def weight_modules(self) -> list[nn.Module]:
+        """Every module holding weights (float or packed layers alike: they list their tensors)."""
+        return [m for m in self.modules() if hasattr(m, "weight_tensors")]
 
     def weight_bytes(self) -> int:
-        """Bytes of weights held in memory."""
-        return sum(m.nbytes() for m in self.weight_layers())
+        """Bytes of weights held in memory, each tensor once (a tied LM head reads the embedding's)."""
+        distinct = {id(t): t for m in self.weight_modules() for t in m.weight_tensors()}
+        return sum(t.numel() * t.element_size() for t in distinct.values())
 
     def decode_read_bytes(self) -> int:
         """Weight bytes one decode step of one sequence reads: every layer whole, one embedding row, and
         the LM head whole (with tied embeddings that is the embedding matrix, read as the head)."""
-        layers = [m for m in self.modules() if isinstance(m, (Linear, RMSNorm))]  # the tied head included
+        layers = [m for m in self.weight_modules() if m is not self.embed_tokens]  # the tied head included
         return sum(m.bytes_read_per_token() for m in layers) + self.embed_tokens.bytes_read_per_token()
 
     def matmul_macs_per_token(self) -> tuple[int, int]:
         """(multiply-adds of every decoder layer's linear maps, of the LM head) for one token."""
-        layers = sum(m.macs_per_token for m in self.layers.modules() if isinstance(m, Linear))
+        layers = sum(m.macs_per_token for m in self.layers.modules() if hasattr(m, "macs_per_token"))
         return layers, self.lm_head.macs_per_token
 
     @property
     def device(self) -> torch.device:
-        return self.embed_tokens.weight.device
+        return self.norm.weight.device
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.embed_tokens.weight.dtype
+        """The activations' dtype: the norms' (packed matrices keep their own storage types)."""
+        return self.norm.weight.dtype
 
     def forward(
         self,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,6 +19,8 @@ import torch
 from kvlab.config import ModelConfig
 from kvlab.errors import KvlabError
 from kvlab.gguf_file import GGUFFile
+from kvlab.quant.formats import FORMATS
+from kvlab.quant.linear import PackedEmbedding, PackedLinear, PackedTensor
 
 # GGUF tensor names → Hugging Face names ({i} = layer index)
 _GGUF_TO_HF = {
@@ -108,11 +111,17 @@ def _unpermute_llama(w: np.ndarray, num_heads: int) -> np.ndarray:
     return w.reshape(num_heads, rows // num_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def iter_gguf(gguf: GGUFFile, config: ModelConfig, permuted_qk: bool) -> Iterator[tuple[str, torch.Tensor]]:
-    """(Hugging Face name, float32 tensor) for every tensor of a GGUF file, dequantized.
+def iter_gguf(
+    gguf: GGUFFile, config: ModelConfig, permuted_qk: bool, native: bool = True
+) -> Iterator[tuple[str, torch.Tensor | PackedTensor]]:
+    """(Hugging Face name, tensor) for every tensor of a GGUF file.
 
-    `permuted_qk`: the converter reordered q/k rows for its own rotary layout (llama.cpp's llama)."""
-    for name in gguf.tensors:
+    `native`: every matrix not in F32 comes as a PackedTensor of the file's own bytes (memory-mapped,
+    no copy, no float round trip); vectors (norms, biases) and F32 matrices as float32 tensors. Otherwise every tensor is
+    dequantized to float32. `permuted_qk`: the converter reordered q/k rows for its own rotary layout
+    (llama.cpp's llama), undone here — on the blocks' rows, which is exact.
+    """
+    for name, info in gguf.tensors.items():
         rest = name
         if name.startswith("blk."):
             _, index, rest = name.split(".", 2)
@@ -122,29 +131,72 @@ def iter_gguf(gguf: GGUFFile, config: ModelConfig, permuted_qk: bool) -> Iterato
             hf_name = _GGUF_TO_HF.get(name)
         if hf_name is None:
             continue  # e.g. rope_freqs: recomputed from the config
-        w = gguf.dequantize(name)
+        heads = None
         if permuted_qk and rest in ("attn_q.weight", "attn_k.weight"):
             heads = config.num_heads if rest == "attn_q.weight" else config.num_kv_heads
+        if native and len(info.shape) == 2 and info.type_name != "F32":  # F32 is float already
+            yield hf_name, _packed(gguf, name, heads)
+            continue
+        w = gguf.dequantize(name)
+        if heads:
             w = _unpermute_llama(w, heads)
         yield hf_name, torch.from_numpy(np.array(w, dtype=np.float32))  # a copy: the file map is read-only
+
+
+def _packed(gguf: GGUFFile, name: str, heads: int | None) -> PackedTensor:
+    """A matrix's blocks as stored, viewed in place in the file's memory map (rows reordered: a copy)."""
+    info = gguf.tensors[name]
+    if info.type_name not in FORMATS:
+        hint = " or --dequantize to expand it to floats at load" if _can_dequantize(info.type_name) else ""
+        raise KvlabError(f"tensor {name} is stored as {info.type_name}, a GGUF block type kvlab cannot compute "
+                         f"with: use a file quantized to one of {', '.join(FORMATS)}{hint}")  # fmt: skip
+    raw = gguf.raw(name)  # uint8 [rows, row bytes], read-only
+    if heads:
+        raw = np.ascontiguousarray(_unpermute_llama(raw, heads))
+    with warnings.catch_warnings():  # the map is read-only and kvlab never writes to weights
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        data = torch.from_numpy(raw)
+    return PackedTensor(info.type_name, tuple(info.shape), data)
+
+
+def _can_dequantize(type_name: str) -> bool:
+    from gguf import GGMLQuantizationType, quants
+
+    try:
+        quants.dequantize(np.zeros(quants.GGML_QUANT_SIZES[GGMLQuantizationType[type_name]][1], np.uint8),
+                          GGMLQuantizationType[type_name])  # fmt: skip
+    except (NotImplementedError, KeyError, ValueError):
+        return False
+    return True
 
 
 # ---- loading into the model --------------------------------------------------------------
 
 
-def load_weights(model: torch.nn.Module, tensors: Iterator[tuple[str, torch.Tensor]], dtype, device) -> None:
-    """Fill every parameter of `model` (built on the meta device) from (HF name, tensor) pairs."""
+def load_weights(model: torch.nn.Module, tensors: Iterator[tuple[str, torch.Tensor | PackedTensor]], dtype,
+                 device) -> None:  # fmt: skip
+    """Fill every parameter of `model` (built on the meta device) from (HF name, tensor) pairs.
+
+    A PackedTensor (a matrix kept in its stored format) replaces its Linear by a PackedLinear, or the
+    embedding by a PackedEmbedding; every other tensor becomes a parameter in `dtype`.
+    """
     params = dict(model.named_parameters())
-    pending: dict[str, dict[int, torch.Tensor]] = {}  # fused parameter → parts seen so far
+    pending: dict[str, dict[int, torch.Tensor | PackedTensor]] = {}  # fused parameter → parts seen so far
+    packed: dict[str, list[PackedTensor]] = {}  # module → its stored matrices, in part order
     loaded: set[str] = set()
 
-    def assign(name: str, tensor: torch.Tensor) -> None:
-        expected = params[name].shape
-        if tuple(tensor.shape) != tuple(expected):
-            raise KvlabError(f"weight {name} has shape {tuple(tensor.shape)}, the config implies {tuple(expected)}")
+    def assign(name: str, value: torch.Tensor | list[PackedTensor]) -> None:
+        expected = tuple(params[name].shape)
         module_name, _, attr = name.rpartition(".")
-        module = model.get_submodule(module_name)
-        setattr(module, attr, torch.nn.Parameter(tensor.to(device=device, dtype=dtype), requires_grad=False))
+        if isinstance(value, list):
+            shape = (sum(p.shape[0] for p in value), value[0].shape[1])
+            packed[module_name] = [PackedTensor(p.fmt, p.shape, p.data.to(device)) for p in value]
+        else:
+            shape = tuple(value.shape)
+            setattr(model.get_submodule(module_name), attr,
+                    torch.nn.Parameter(value.to(device=device, dtype=dtype), requires_grad=False))  # fmt: skip
+        if shape != expected:
+            raise KvlabError(f"weight {name} has shape {shape}, the config implies {expected}")
         loaded.add(name)
 
     for hf_name, tensor in tensors:
@@ -155,17 +207,42 @@ def load_weights(model: torch.nn.Module, tensors: Iterator[tuple[str, torch.Tens
         if name not in params:
             continue
         if part is None:
-            assign(name, tensor)
+            assign(name, [tensor] if isinstance(tensor, PackedTensor) else tensor)
             continue
         parts = pending.setdefault(name, {})
         parts[part] = tensor
         if len(parts) == _FUSED_PARTS[name.split(".", 2)[2].rsplit(".", 1)[0]]:
-            assign(name, torch.cat([parts[i] for i in range(len(parts))], dim=0))
+            values = [parts[i] for i in range(len(parts))]
+            if all(isinstance(v, PackedTensor) for v in values):
+                assign(name, values)
+            else:
+                assign(name, torch.cat([v.dequantize() if isinstance(v, PackedTensor) else v for v in values]))
             del pending[name]
 
+    _install_packed(model, packed, dtype)
     if model.config.tie_word_embeddings:
-        model.lm_head.weight = model.embed_tokens.weight  # tied: one matrix serves both
+        tie_embeddings(model)
         loaded.add("lm_head.weight")
     missing = sorted(set(params) - loaded)
     if missing:
         raise KvlabError(f"checkpoint has no tensor for {missing[0]} ({len(missing)} missing)")
+
+
+def _install_packed(model: torch.nn.Module, packed: dict[str, list[PackedTensor]], dtype) -> None:
+    """Swap each module whose matrices were kept stored for its packed form (its bias carried over)."""
+    for module_name, parts in packed.items():
+        parent_name, _, attr = module_name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        old = getattr(parent, attr)
+        if module_name == "embed_tokens":
+            setattr(parent, attr, PackedEmbedding(parts[0], dtype))
+        else:
+            setattr(parent, attr, PackedLinear(parts, bias=old.bias))
+
+
+def tie_embeddings(model: torch.nn.Module) -> None:
+    """The LM head reads the embedding's own matrix (one table in memory serves both)."""
+    if isinstance(model.embed_tokens, PackedEmbedding):
+        model.lm_head = model.embed_tokens.as_linear()
+    else:
+        model.lm_head.weight = model.embed_tokens.weight

@@ -1,0 +1,138 @@
+"""Linear and embedding layers whose weights stay in the file's block formats.
+
+    PackedLinear     y = x Wᵀ (+ b), W kept as uint8 blocks, one part per fused matrix (q, k, v may
+                     each have their own format: a Q4_K_M file mixes Q5_0, Q6_K and Q8_0)
+    PackedEmbedding  the token table in blocks; a lookup dequantizes only the rows it reads
+
+They implement the linear layer's seam (`forward`, `forward_parts`, `nbytes`,
+`bytes_read_per_token`, `macs_per_token`), so the model, the roofline and the memory plan use them
+as they use `kvlab.model.layers.Linear`. Decode-sized inputs on a CPU go to the C kernels, which read
+the blocks directly (`kvlab.kernels.quant`); larger ones dequantize each part to float32 and use
+BLAS; anywhere the C kernels are not (CUDA, no compiler) the reference dequantization in
+`kvlab.quant.formats` serves every call.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvlab.quant.formats import FORMATS, BlockFormat
+
+
+@dataclass
+class PackedTensor:
+    """A stored matrix as it comes from a checkpoint: its format, shape and bytes."""
+
+    fmt: str  # a kvlab.quant.formats name: Q4_K, Q8_0, F16, ...
+    shape: tuple[int, int]  # [rows, in_features] in weights
+    data: torch.Tensor  # uint8 [rows, row bytes]
+
+    @property
+    def format(self) -> BlockFormat:
+        return FORMATS[self.fmt]
+
+    def dequantize(self) -> torch.Tensor:
+        return self.format.dequantize(self.data, self.shape[1])
+
+
+def _kernels():
+    from kvlab.kernels import quant
+
+    return quant
+
+
+class PackedLinear(nn.Module):
+    """y = x Wᵀ (+ b) with W [out, in] in stored blocks; `parts` stacks the matrices a fused layer holds."""
+
+    def __init__(self, parts: list[PackedTensor], bias: torch.Tensor | None = None):
+        super().__init__()
+        in_features = {p.shape[1] for p in parts}
+        if len(in_features) != 1:
+            raise ValueError(f"the parts of a fused matrix must share their input size, got {sorted(in_features)}")
+        self.in_features = in_features.pop()
+        self.formats = [p.fmt for p in parts]
+        self.parts = tuple(p.shape[0] for p in parts)  # output sizes, as Linear.parts
+        self.out_features = sum(self.parts)
+        for i, p in enumerate(parts):
+            self.register_buffer(f"packed_{i}", p.data, persistent=False)
+        self.bias = bias if bias is None or isinstance(bias, nn.Parameter) else nn.Parameter(bias, requires_grad=False)
+
+    def packed(self) -> list[PackedTensor]:
+        return [
+            PackedTensor(fmt, (rows, self.in_features), getattr(self, f"packed_{i}"))
+            for i, (fmt, rows) in enumerate(zip(self.formats, self.parts))
+        ]
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, parts={list(zip(self.formats, self.parts))}, bias={self.bias is not None}"
+
+    # ---- the product ------------------------------------------------------------------------------
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead, rows = x.shape[:-1], x.numel() // self.in_features
+        x2 = x.reshape(rows, self.in_features)
+        kernels = _kernels()
+        if kernels.applies(x2, self.formats):
+            y = kernels.packed_linear(x2, self.packed(), self.out_features)
+        else:
+            y = torch.cat([self._dense_product(x2, p) for p in self.packed()], dim=-1)
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
+        return y.to(x.dtype).view(*lead, self.out_features)
+
+    def _dense_product(self, x: torch.Tensor, part: PackedTensor) -> torch.Tensor:
+        """A prompt-sized pass (or no C kernel): the part dequantized to float32, then one BLAS product."""
+        return F.linear(x.float(), _kernels().dequantize(part))
+
+    def forward_parts(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return self(x).split(self.parts, dim=-1)
+
+    # ---- what it costs ----------------------------------------------------------------------------
+
+    def weight_tensors(self) -> list[torch.Tensor]:
+        return [p.data for p in self.packed()] + ([self.bias] if self.bias is not None else [])
+
+    def nbytes(self) -> int:
+        """Bytes held: the blocks as stored (scales included) and the bias."""
+        return sum(t.numel() * t.element_size() for t in self.weight_tensors())
+
+    def bytes_read_per_token(self) -> int:
+        return self.nbytes()
+
+    @property
+    def macs_per_token(self) -> int:
+        return self.in_features * self.out_features
+
+
+class PackedEmbedding(nn.Module):
+    """The token table [vocab, hidden] in stored blocks; a lookup reads and dequantizes its rows only."""
+
+    def __init__(self, table: PackedTensor, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.fmt, self.shape, self.out_dtype = table.fmt, table.shape, dtype
+        self.register_buffer("packed_0", table.data, persistent=False)
+
+    def table(self) -> PackedTensor:
+        return PackedTensor(self.fmt, self.shape, self.packed_0)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = self.packed_0.index_select(0, ids.reshape(-1))  # [n, row bytes]
+        values = FORMATS[self.fmt].dequantize(rows, self.shape[1])
+        return values.to(self.out_dtype).view(*ids.shape, self.shape[1])
+
+    def weight_tensors(self) -> list[torch.Tensor]:
+        return [self.packed_0]
+
+    def nbytes(self) -> int:
+        return self.packed_0.numel()
+
+    def bytes_read_per_token(self) -> int:
+        return self.packed_0.shape[1]
+
+    def as_linear(self) -> PackedLinear:
+        """The same blocks as an LM head (tied embeddings: one table serves both)."""
+        return PackedLinear([self.table()])
