@@ -8,7 +8,7 @@
                    hit (the same prefix again): the ratio (target ≥ 5×)
   3. step layout   8 requests decoding while 8 prompts arrive: prompt chunks packed into the decodes'
                    forward against forwards of their own; and the decode step at 16 sequences with the
-                   GEMV kernel (≤ kernels.gemv.MAX_ROWS rows) against BLAS
+                   GEMV kernel (the thread policy's max_kernel_rows) against BLAS
 
 Every figure is a median over --repeat runs (min–max beside it); warm-up runs are excluded; each run
 uses fresh random prompts (seeded), so no run hits the prefix cache of another unless it should.
@@ -31,8 +31,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvlab.bench.serve import Workload, run_in_process  # noqa: E402
-from kvlab.engine import EngineConfig, LLMEngine  # noqa: E402
-from kvlab.kernels import gemv  # noqa: E402
+from kvlab.config import EngineConfig  # noqa: E402
+from kvlab.engine import LLMEngine  # noqa: E402
+from kvlab.kernels import ThreadPolicy  # noqa: E402
 from kvlab.model.loader import load_model  # noqa: E402
 from kvlab.sampling import SamplingParams  # noqa: E402
 
@@ -41,8 +42,11 @@ def stats(xs: list[float]) -> dict:
     return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "samples": xs}
 
 
+POLICY = ThreadPolicy()  # every engine of the run: --threads, --gemv-max-rows (set in main)
+
+
 def engine(loaded, **options) -> LLMEngine:
-    return LLMEngine(loaded, None, EngineConfig(kv_memory_bytes=2**30, **options))
+    return LLMEngine(loaded, None, EngineConfig(kv_memory_bytes=2**30, **options), policy=POLICY)
 
 
 def batching(loaded, repeat: int, requests: int, prompt_len: int, output_len: int) -> dict:
@@ -124,9 +128,9 @@ def step_layout(loaded, repeat: int) -> dict:
     eng.step()  # all prompts in (one step with a 1,024-token budget... two at 512)
     while any(r.num_output_tokens == 0 for r in eng.scheduler.running) or eng.num_waiting:
         eng.step()
-    default_rows = gemv.MAX_ROWS
+    default_rows = POLICY.max_kernel_rows
     for label, rows in (("blas", 8), ("gemv", 64)):
-        gemv.MAX_ROWS = rows
+        POLICY.max_kernel_rows = rows  # the engine's own policy: its next passes read it
         try:
             eng.step()
             samples = []
@@ -135,7 +139,7 @@ def step_layout(loaded, repeat: int) -> dict:
                 eng.step()
                 samples.append(time.perf_counter() - t)
         finally:
-            gemv.MAX_ROWS = default_rows
+            POLICY.max_kernel_rows = default_rows
         out[f"decode_step_16_{label}_s"] = stats(samples)
     for rid in list(eng._states):
         eng.abort_request(rid)
@@ -154,12 +158,13 @@ def main() -> int:
     ap.add_argument("--prefix-len", type=int, default=1000)
     ap.add_argument("--skip", action="append", default=[], choices=["batching", "prefix", "layout"])
     ap.add_argument("--gemv-max-rows", type=int,
-                    help="try another crossover between the GEMV kernel and BLAS (kernels.gemv.MAX_ROWS) for this run")  # fmt: skip
+                    help="try another crossover between the GEMV kernel and BLAS (max_kernel_rows) for this run")  # fmt: skip
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    POLICY.threads = args.threads
     if args.gemv_max_rows is not None:
-        gemv.MAX_ROWS = args.gemv_max_rows
+        POLICY.max_kernel_rows = args.gemv_max_rows
     loaded = load_model(args.model, dtype=args.dtype)
     results = {
         "command": " ".join(sys.argv),
@@ -167,7 +172,7 @@ def main() -> int:
                     "torch": torch.__version__, "python": platform.python_version(), "commit": _commit()},  # fmt: skip
         "model": args.model,
         "dtype": args.dtype,
-        "gemv_max_rows": gemv.MAX_ROWS,
+        "gemv_max_rows": POLICY.max_kernel_rows,
     }
     if "batching" not in args.skip:
         print(f"1. batching: {args.requests} × ({args.prompt_len} in, {args.output_len} out)", flush=True)

@@ -17,6 +17,7 @@ import time
 
 from kvlab.config import EngineConfig
 from kvlab.errors import KvlabError
+from kvlab.kernels import ThreadPolicy
 from kvlab.kv.manager import KVCacheManager, KVLedger
 from kvlab.kv.paged import PagedKVCache
 from kvlab.kv.pool_plan import KVPoolPlan, plan_kv_pool
@@ -33,7 +34,10 @@ logger = logging.getLogger(__name__)
 
 
 class LLMEngine:
-    def __init__(self, loaded: LoadedModel, tokenizer=None, config: EngineConfig | None = None):
+    def __init__(
+        self, loaded: LoadedModel, tokenizer=None, config: EngineConfig | None = None, policy: ThreadPolicy | None = None
+    ):
+        """`policy`: how this engine's passes use the CPU (its threads; default: torch's thread count)."""
         config = config or EngineConfig()
         self.config, self.loaded, self.tokenizer = config, loaded, tokenizer
         model, model_config = loaded.model, loaded.config
@@ -52,7 +56,7 @@ class LLMEngine:
         scheduler_config = SchedulerConfig(self.max_model_len, config.max_num_seqs, config.max_num_batched_tokens,
                                            recompute_every_step=not config.use_cache)  # fmt: skip
         self.scheduler = Scheduler(scheduler_config, self.kv)
-        self.runner = ModelRunner(model, self.cache, pack_prompts=config.pack_prompts)
+        self.runner = ModelRunner(model, self.cache, pack_prompts=config.pack_prompts, policy=policy)
         self.stats = EngineStats()
         self._states: dict[str, tuple[Request, OutputState]] = {}
         self._ids = itertools.count()

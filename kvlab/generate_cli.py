@@ -30,7 +30,12 @@ def register(subparsers) -> None:
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
-    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="activations and float weights (default float32)")
+    g.add_argument("--dequantize", action="store_true",
+                   help="expand a GGUF file's quantized blocks to --dtype floats at load (default: compute with them)")
+    g.add_argument("--quantization", choices=["q8_0", "q4_0"],
+                   help="quantize a float checkpoint's weights to these GGUF blocks at load")
     g.add_argument("--device", default="cpu", help="torch device: cpu, cuda, cuda:1, … (default cpu)")
     g.add_argument("--threads", type=int, help="CPU threads for torch (default: torch's choice)")
     g.add_argument("--max-model-len", type=int, help="context length to allow (default: the model's)")
@@ -122,6 +127,8 @@ def open_llm(args, **overrides):
         max_model_len=args.max_model_len,
         use_cache=not getattr(args, "no_cache", False),
         threads=args.threads,
+        dequantize=getattr(args, "dequantize", False),
+        quantization=getattr(args, "quantization", None),
         **options,
     )
 
@@ -207,18 +214,13 @@ def _json_output(llm, out, args) -> dict:
         model=str(args.model),
         dtype=args.dtype,
         device=args.device,
-        threads=_threads(),
+        threads=llm.policy.threads,
         use_cache=not args.no_cache,
+        weight_format=llm.loaded.weight_format,
         weight_bytes=llm.loaded.weight_bytes,
         load_s=llm.loaded.load_s,
     )
     return d
-
-
-def _threads() -> int:
-    import torch
-
-    return torch.get_num_threads()
 
 
 def _mib(n: int) -> str:
@@ -233,7 +235,8 @@ def print_report(llm, out, args, file) -> None:
         f"{_mib(m.kv_cache_allocated_bytes)} allocated"
     )  # fmt: skip
     lines = [
-        f"── {args.model}: {args.dtype} on {args.device}, {_threads()} threads, weights {llm.loaded.weight_bytes / 1e6:.1f} MB",
+        f"── {args.model}: {args.dtype} on {args.device}, {llm.policy.threads} threads, weights "
+        f"{llm.loaded.weight_format} {llm.loaded.weight_bytes / 1e6:.1f} MB, loaded in {llm.loaded.load_s:.2f} s",
         f"prompt     {m.prompt_tokens:6d} tokens   prefill {m.prefill_s:7.3f} s  {m.prefill_tok_s:8.1f} tok/s   "
         f"TTFT {m.ttft_s * 1000:.0f} ms",
         f"generated  {m.generated_tokens:6d} tokens   decode  {m.decode_s:7.3f} s  {m.decode_tok_s:8.1f} tok/s   "

@@ -23,6 +23,7 @@ import torch
 from kvlab.config import EngineConfig
 from kvlab.engine import LLMEngine
 from kvlab.errors import KvlabError
+from kvlab.kernels import ThreadPolicy
 from kvlab.model.loader import load_model
 from kvlab.output.result import RequestOutput
 from kvlab.sampling import SamplingParams
@@ -51,20 +52,27 @@ class LLM:
         max_model_len: int | None = None,
         use_cache: bool = True,
         threads: int | None = None,
+        dequantize: bool = False,
+        quantization: str | None = None,
         **engine_options: Any,
     ):
-        """`engine_options` are EngineConfig fields: block_size, kv_memory_bytes, kv_memory_fraction,
+        """`threads`: CPU threads of this LLM's passes (its own thread policy; default: torch's count).
+        `dequantize`: expand a GGUF file's blocks to `dtype` floats at load (default: compute with them
+        as stored). `quantization`: "q8_0" or "q4_0" blocks made from a float checkpoint at load.
+        `engine_options` are EngineConfig fields: block_size, kv_memory_bytes, kv_memory_fraction,
         max_num_seqs, max_num_batched_tokens, enable_prefix_caching, pack_prompts."""
-        if threads:
-            torch.set_num_threads(threads)
-        self.loaded = load_model(model, dtype=dtype, device=device, max_positions=max_model_len)
+        if threads is not None and threads < 1:
+            raise KvlabError(f"threads must be at least 1, got {threads}")
+        self.policy = ThreadPolicy(threads=threads or torch.get_num_threads())
+        self.loaded = load_model(model, dtype=dtype, device=device, max_positions=max_model_len,
+                                 dequantize=dequantize, quantization=quantization)  # fmt: skip
         self.config = self.loaded.config
         self.tokenizer = _load_tokenizer(self.loaded.path)
         try:
             engine_config = EngineConfig(max_model_len=max_model_len, use_cache=use_cache, **engine_options)
         except TypeError as e:
             raise KvlabError(f"unknown engine option: {e}") from None
-        self.engine = LLMEngine(self.loaded, self.tokenizer, engine_config)
+        self.engine = LLMEngine(self.loaded, self.tokenizer, engine_config, policy=self.policy)
         self._streams: dict[str, TextStream] = {}
 
     # ---- prompts ---------------------------------------------------------------------------

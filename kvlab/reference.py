@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvlab.errors import KvlabError
+from kvlab.kernels import ThreadPolicy
 from kvlab.kv.cache import ContiguousKVCache, NoCache, SingleBatchKVCache
 from kvlab.model.loader import LoadedModel
 from kvlab.output.result import RequestMetrics
@@ -45,11 +46,12 @@ def common_prefix_len(a: list[int], b: list[int]) -> int:
 
 
 class ReferenceEngine:
-    def __init__(self, loaded: LoadedModel, max_model_len: int | None = None, use_cache: bool = True):
+    def __init__(self, loaded: LoadedModel, max_model_len: int | None = None, use_cache: bool = True,
+                 policy: ThreadPolicy | None = None):  # fmt: skip
         self.loaded = loaded
         self.model = loaded.model
         self.config = loaded.config
-        self.driver = ModelDriver(self.model)
+        self.driver = ModelDriver(self.model, policy)
         self.device = self.model.device
         self.max_model_len = min(max_model_len or self.config.max_position_embeddings, self.model.rotary.cos.shape[0])
         self.use_cache = use_cache

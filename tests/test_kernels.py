@@ -7,7 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from kvlab.kernels import gemv
-from kvlab.kernels.gemv import gemv_available, linear, set_kernels_enabled
+from kvlab.kernels.gemv import gemv_available, linear
+from kvlab.kernels.policy import DEFAULT_MAX_KERNEL_ROWS, ThreadPolicy
 
 needs_kernel = pytest.mark.skipif(not gemv_available(), reason="no C compiler: BLAS serves every call")
 
@@ -37,13 +38,12 @@ def test_disabled_or_many_rows_use_blas(monkeypatch):
     calls = []
     monkeypatch.setattr(gemv, "_gemv", lambda *a: calls.append(1) or F.linear(a[1], a[2], a[3]))
     w, x = torch.randn(32, 16), torch.randn(1, 16)
-    set_kernels_enabled(False)
-    try:
+    with ThreadPolicy(use_kernels=False).active():
         linear(x, w)
-        assert calls == []
-    finally:
-        set_kernels_enabled(True)
-    linear(torch.randn(gemv.MAX_ROWS + 1, 16), w)  # prefill-sized: BLAS
+    assert calls == []
+    linear(torch.randn(DEFAULT_MAX_KERNEL_ROWS + 1, 16), w)  # prefill-sized: BLAS
+    with ThreadPolicy(max_kernel_rows=0).active():  # a crossover that sends everything to BLAS
+        linear(x, w)
     assert calls == []
     if gemv_available():
         linear(x, w)
@@ -56,11 +56,11 @@ def test_greedy_tokens_identical_with_and_without_kernel(tiny_llm):
 
     p = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
     with_kernel = tiny_llm.generate("The capital of France is", p).token_ids
-    set_kernels_enabled(False)
+    tiny_llm.policy.use_kernels = False  # the LLM's own policy: its engine reads it at every pass
     try:
         without = tiny_llm.generate("The capital of France is", p).token_ids
     finally:
-        set_kernels_enabled(True)
+        tiny_llm.policy.use_kernels = True
     assert with_kernel == without
 
 
@@ -72,16 +72,13 @@ def test_back_to_back_calls_of_different_sizes_on_an_oversubscribed_pool():
 
     g = torch.Generator().manual_seed(0)
     small, large, x = torch.randn(32, 64, generator=g), torch.randn(4096, 64, generator=g), torch.randn(1, 64, generator=g)
-    gemv.set_kernel_threads(8)
-    try:
+    with ThreadPolicy(threads=8).active():
         want_small, want_large = linear(x, small).clone(), linear(x, large).clone()
         end, calls = time.perf_counter() + 2.0, 0
         while time.perf_counter() < end:
             assert torch.equal(linear(x, small), want_small) and torch.equal(linear(x, large), want_large)
             calls += 1
         assert calls > 100
-    finally:
-        gemv.set_kernel_threads(None)
 
 
 @needs_kernel
@@ -118,7 +115,8 @@ def test_small_ops_stay_in_pytorch_where_c_does_not_apply():
     from kvlab.kernels.gemv import rope_in_place, small_ops_apply
 
     assert not small_ops_apply(torch.randn(1, 1, 64, dtype=torch.bfloat16), 1)
-    assert not small_ops_apply(torch.randn(1, gemv.MAX_ROWS + 1, 64), gemv.MAX_ROWS + 1)  # prefill-sized
+    rows = DEFAULT_MAX_KERNEL_ROWS + 1
+    assert not small_ops_apply(torch.randn(1, rows, 64), rows)  # prefill-sized
     x = torch.randn(1, 1, 4, 64).transpose(2, 3)  # not [.., heads, D] with D contiguous
     assert not rope_in_place(x, torch.randn(1, 1, 1, 4), torch.randn(1, 1, 1, 4))
 
@@ -129,7 +127,7 @@ def test_small_ops_stay_in_pytorch_where_c_does_not_apply():
      ((), (8, 3), None), ((1, 3), (8, 3, 1), None)],
 )  # fmt: skip
 def test_linear_refuses_shapes_that_do_not_fit(x_shape, w_shape, b_shape):
-    """Where F.linear raises, so does linear, on the kernel's path (≤ MAX_ROWS rows) and on BLAS's."""
+    """Where F.linear raises, so does linear, on the kernel's path (decode-sized) and on BLAS's."""
     x, w = torch.randn(x_shape), torch.randn(w_shape)
     with pytest.raises(ValueError):
         linear(x, w, None if b_shape is None else torch.randn(b_shape))
@@ -147,16 +145,13 @@ def test_a_strided_bias_is_read_by_its_strides():
 
 
 @needs_kernel
-def test_explicit_threads_override_the_process_default(monkeypatch):
+def test_explicit_threads_override_the_policy_in_force(monkeypatch):
     seen = []
     monkeypatch.setattr(gemv, "_gemv_into", lambda *a: seen.append(a[-1]))
     w, x = torch.randn(32, 16), torch.randn(1, 16)
-    gemv.set_kernel_threads(3)
-    try:
+    with ThreadPolicy(threads=3).active():
         linear(x, w, threads=5)
         linear(x, w)
-    finally:
-        gemv.set_kernel_threads(None)
     assert seen == [5, 3]
     with pytest.raises(ValueError):
         linear(x, w, threads=0)
@@ -164,15 +159,17 @@ def test_explicit_threads_override_the_process_default(monkeypatch):
 
 @needs_kernel
 def test_two_models_generating_in_two_threads_get_their_tokens_alone(tiny_chat_model):
-    """Two engines share the kernels' pool; side by side they must give the tokens each gives alone
-    (before the pool refused a second caller, they did not, in about one run of this test in three)."""
+    """Two engines with thread policies of their own (1 and 2 threads) share the kernels' pool; side by
+    side they must give the tokens each gives alone (before the pool refused a second caller, they did
+    not, in about one run of this test in three)."""
     import threading
 
     from kvlab import LLM, SamplingParams
 
     p = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
     prompts = ["The capital of France is", "Once upon a time"]
-    llms = [LLM(tiny_chat_model), LLM(tiny_chat_model)]
+    llms = [LLM(tiny_chat_model, threads=1), LLM(tiny_chat_model, threads=2)]
+    assert [llm.policy.threads for llm in llms] == [1, 2]
     alone = [llm.generate(prompt, p).token_ids for llm, prompt in zip(llms, prompts)]
     together: list = [None, None]
 

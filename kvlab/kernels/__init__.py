@@ -1,5 +1,6 @@
-"""Compute kernels behind the model's layers."""
+"""Compute kernels behind the model's layers, and the thread policy that says how they use the CPU."""
 
-from kvlab.kernels.gemv import decode_threads, linear
+from kvlab.kernels.gemv import linear
+from kvlab.kernels.policy import ThreadPolicy, current
 
-__all__ = ["decode_threads", "linear"]
+__all__ = ["ThreadPolicy", "current", "linear"]

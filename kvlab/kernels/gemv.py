@@ -4,7 +4,8 @@ A decode step multiplies one activation row per sequence by every weight matrix,
 the time to read the weights. PyTorch's CPU matmul reads them at well under the memory's speed
 when only one row comes in; `gemv.c` reads each matrix once, in order, on all threads. It is
 compiled at first use with the machine's C compiler (`-march=native`, with the thread pool of
-`pool.c`) into $KVLAB_HOME/kernels and loaded with ctypes. Without a compiler, on CUDA, or with
+`pool.c`) into $KVLAB_HOME/kernels and loaded with ctypes. Whether a call uses it, and on how many
+threads, is the caller's thread policy (`kernels.policy`). Without a compiler, on CUDA, or with
 KVLAB_KERNELS=0, every call goes to `torch.nn.functional.linear`.
 
 The pool serves one call at a time; a call from another thread meanwhile computes on its own
@@ -27,7 +28,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-MAX_ROWS = 32  # up to a batched decode step of 32 sequences; prefill-sized inputs go to BLAS
+from kvlab.kernels.policy import current
+
 _SOURCES = [Path(__file__).with_name(name) for name in ("gemv.c", "pool.c")]
 _HEADERS = [Path(__file__).with_name("pool.h")]
 _FLAGS = ["-O3", "-march=native", "-pthread", "-shared", "-fPIC", "-std=gnu11", "-lm"]
@@ -37,45 +39,8 @@ _NAMES = {torch.float32: "kvlab_gemv_f32", torch.bfloat16: "kvlab_gemv_bf16", to
 _kernels: dict[torch.dtype, object] = {}
 _ops: dict[str, object] = {}  # the small decode ops (rms_norm, rope), float32 only
 _pool: dict[str, object] = {}  # the thread pool's hooks for tests and benchmarks (pool_stats, ...)
-_state = {"enabled": os.environ.get("KVLAB_KERNELS", "1") != "0", "loaded": False, "threads": None}
+_state = {"loaded": False}
 _load_lock = threading.Lock()  # a second thread waits for the first one's build instead of using BLAS
-
-
-def set_kernel_threads(threads: int | None) -> None:
-    """Threads the GEMV pool uses where a call does not say (None: torch's own thread count)."""
-    _state["threads"] = threads
-
-
-def set_kernels_enabled(enabled: bool) -> None:
-    """Turn the GEMV path on or off for this process (off: every call uses BLAS)."""
-    _state["enabled"] = enabled
-
-
-@contextmanager
-def decode_threads(num_rows: int):
-    """Around a forward of `num_rows` tokens: if they go through the GEMV kernel, run PyTorch's own
-    ops on one thread and give the kernel's pool every thread.
-
-    A decode step's other ops are tiny; at several threads each wakes PyTorch's OpenMP workers, which
-    then spin on the cores the GEMV pool needs (measured here on SmolLM2: 96 ms a step with both at 2
-    threads, 56 ms this way). Prefill-sized passes keep PyTorch's threads for BLAS.
-    """
-    threads = torch.get_num_threads()
-    if num_rows > MAX_ROWS or threads == 1 or not gemv_available():
-        yield
-        return
-    previous = _state["threads"]
-    _state["threads"] = previous or threads
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
-        _state["threads"] = previous
-
-
-def kernels_enabled() -> bool:
-    return _state["enabled"]
 
 
 def _cpu_fingerprint() -> str:
@@ -147,8 +112,9 @@ os.register_at_fork(after_in_child=_new_load_lock_after_fork)
 
 
 def gemv_available() -> bool:
+    """Whether the compiled kernels are here (whether a call uses them is the thread policy's say)."""
     _ensure_loaded()
-    return kernels_enabled() and bool(_kernels)
+    return bool(_kernels)
 
 
 def linear(
@@ -156,7 +122,7 @@ def linear(
 ) -> torch.Tensor:
     """x [..., in] @ weight[out, in]ᵀ (+ bias [out]) → [..., out].
 
-    threads: the GEMV pool's threads for this call (None: `set_kernel_threads`' value, else torch's).
+    threads: the GEMV pool's threads for this call (None: the thread policy in force, kernels.policy).
     Raises ValueError where the shapes do not fit, on every path.
     """
     _check_shapes(x, weight, bias)
@@ -165,11 +131,12 @@ def linear(
     out_features, in_features = weight.shape
     rows = x.numel() // max(in_features, 1)
     on_cpu = x.device.type == weight.device.type == "cpu" and (bias is None or bias.device.type == "cpu")
-    if 0 < rows <= MAX_ROWS and in_features > 0 and out_features < _MAX_OUT and on_cpu and _state["enabled"]:
+    policy = current()
+    if policy.kernel_sized(rows) and in_features > 0 and out_features < _MAX_OUT and on_cpu:
         _ensure_loaded()
         fn = _kernels.get(weight.dtype)
         if fn is not None and weight.is_contiguous():
-            return _gemv(fn, x, weight, bias, threads or _state["threads"] or torch.get_num_threads())
+            return _gemv(fn, x, weight, bias, threads or policy.threads)
     return F.linear(x, weight, bias)
 
 
@@ -246,7 +213,7 @@ def _pool_held():
 
 def small_ops_apply(x: torch.Tensor, tokens: int) -> bool:
     """Whether the C versions of the small ops take a float32 CPU tensor of `tokens` tokens (decode-sized)."""
-    if x.dtype != torch.float32 or x.device.type != "cpu" or not _state["enabled"] or tokens > MAX_ROWS:
+    if x.dtype != torch.float32 or x.device.type != "cpu" or not current().kernel_sized(tokens):
         return False
     _ensure_loaded()
     return bool(_ops)

@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvlab.kernels import linear
-from kvlab.kernels.gemv import MAX_ROWS, rms_norm, small_ops_apply
+from kvlab.kernels import current, linear
+from kvlab.kernels.gemv import rms_norm, small_ops_apply
 
 
 class RMSNorm(nn.Module):
@@ -88,7 +88,7 @@ class Linear(nn.Module):
 
     def forward_parts(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The products of a fused matrix, one per part: [..., part] each."""
-        if x.device.type == "cpu" and x.numel() // x.shape[-1] > MAX_ROWS:
+        if x.device.type == "cpu" and x.numel() // x.shape[-1] > current().max_kernel_rows:
             # a prompt on a CPU: one BLAS product per part ran 4-7% faster than one over the whole
             # fused matrix (SmolLM2's gate/up, 256 and 1,024 tokens, measured side by side)
             weights = self.weight.split(self.parts)

@@ -4,21 +4,24 @@
     logits = driver.run(input_ids, paged, meta, index)    # the paged cache: the runner built `meta`
 
 Every caller of the model (the serving engine's runner, the reference engine, the lab, the tests)
-goes through it, so the thread policy, inference mode and the plan → forward → commit order live
-in one place.
+goes through it, so the thread policy (its engine's own: kvlab.kernels.policy), inference mode and
+the plan → forward → commit order live in one place.
 """
 
 from __future__ import annotations
 
 import torch
 
-from kvlab.kernels import decode_threads
+from kvlab.kernels import ThreadPolicy
 from kvlab.kv.cache import KVCache, SingleBatchKVCache
 
 
 class ModelDriver:
-    def __init__(self, model):
+    """Runs `model` under `policy` (its engine's thread policy; by default torch's thread count)."""
+
+    def __init__(self, model, policy: ThreadPolicy | None = None):
         self.model = model
+        self.policy = policy or ThreadPolicy()
 
     @property
     def device(self) -> torch.device:
@@ -43,7 +46,7 @@ class ModelDriver:
             if not isinstance(cache, SingleBatchKVCache):
                 raise TypeError(f"{type(cache).__name__} needs the pass's metadata from its caller")
             meta = cache.plan(input_ids.shape[1])
-        with decode_threads(input_ids.numel()):
+        with self.policy.applied(input_ids.numel(), self.device):
             logits = self.model(input_ids, cache, meta, logits_index=logits_index)
         if planned:
             cache.commit(meta)

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvlab.kernels import ThreadPolicy
 from kvlab.kv.cache import AttentionMetadata, build_metadata
 from kvlab.kv.paged import AttentionGroup, PagedKVCache, PagedMetadata
 from kvlab.request import Request
@@ -49,13 +50,13 @@ class StepInputs:
 
 
 class ModelRunner:
-    def __init__(self, model, cache: PagedKVCache, pack_prompts: bool = True):
+    def __init__(self, model, cache: PagedKVCache, pack_prompts: bool = True, policy: ThreadPolicy | None = None):
         self.model = model
         self.cache = cache
         self.device = cache.device
         self.block_size = cache.block_size
         self.pack_prompts = pack_prompts
-        self.driver = ModelDriver(model)
+        self.driver = ModelDriver(model, policy)
         self.samplers: dict[str, Sampler] = {}  # per request: each owns its seeded generator
 
     # ---- 1. tensors --------------------------------------------------------------------------------
