@@ -18,6 +18,7 @@ from kvlab.cli import main
 from kvlab.lab import EXPERIMENTS, experiment_module
 from kvlab.lab.attention import AttentionResult, PeakRSS
 from kvlab.lab.batching import BatchingResult
+from kvlab.lab.bits import BitsResult
 from kvlab.lab.cache import CacheResult
 from kvlab.lab.common import measure
 from kvlab.lab.context import ContextResult
@@ -29,7 +30,7 @@ from kvlab.lab.roofline import RooflineResult
 
 RESULT_TYPES = {
     "phases": PhasesResult, "cache": CacheResult, "roofline": RooflineResult, "dtype": DtypeResult,
-    "context": ContextResult, "attention": AttentionResult, "batching": BatchingResult,
+    "bits": BitsResult, "context": ContextResult, "attention": AttentionResult, "batching": BatchingResult,
     "kv-verify": KvVerifyResult,
 }  # fmt: skip
 QUICK = ["--quick", "--threads", "1", "--repeat", "2", "--no-progress"]
@@ -88,6 +89,12 @@ def test_structural_checks_hold(lab_run):
     assert points and all(p["max_logit_diff"] is not None and p["max_logit_diff"] < 1e-3 for p in points)
     dtypes = [p["dtype"] for p in exp["dtype"]["points"]]
     assert dtypes == ["float32", "bfloat16", "float16"]
+    bits = {p["label"]: p for p in exp["bits"]["points"]}  # a float checkpoint: no blocks of its own
+    assert list(bits) == ["float32", "bfloat16", "q8_0", "q4_0"]
+    held = [bits[k]["weight_bytes"] for k in bits]
+    assert held == sorted(held, reverse=True)  # every format holds fewer bytes than the one before
+    assert bits["q8_0"]["weight_format"] == "q8_0 (quantized at load)"
+    assert 8.5 <= bits["q8_0"]["bits_per_weight"] < 9.5 and 4.5 <= bits["q4_0"]["bits_per_weight"] < 5.5
     assert [p["tokens"] for p in exp["batching"]["passes"]] == [1, 2, 4, 8, 16, 32]
 
 

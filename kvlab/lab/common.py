@@ -139,8 +139,9 @@ class ModelFacts:
     name: str  # as given on the command line
     path: str
     architecture: str
-    dtype: str
-    params: int  # distinct parameters (a tied matrix counts once)
+    dtype: str  # of the activations (and of float weights)
+    weight_format: str  # how the matrices are held: float32, Q4_1 + Q8_0 (as stored), q8_0 (quantized at load)
+    params: int  # distinct parameters (a tied matrix counts once), as the calculator counts them
     weight_bytes: int
     decode_weight_bytes: int  # bytes one decode step streams (kvlab.model.loader)
     num_layers: int
@@ -153,11 +154,12 @@ class ModelFacts:
 
 
 def model_facts(name: str, loaded: LoadedModel, dtype: str) -> ModelFacts:
+    from kvlab.memory import count_params
+
     c = loaded.config
-    params = {p.data_ptr(): p.numel() for p in loaded.model.parameters()}
     return ModelFacts(
         name=name, path=str(loaded.path), architecture=c.architecture, dtype=dtype,
-        params=sum(params.values()), weight_bytes=loaded.weight_bytes,
+        weight_format=loaded.weight_format, params=count_params(c).total, weight_bytes=loaded.weight_bytes,
         decode_weight_bytes=loaded.decode_weight_bytes(), num_layers=c.num_layers, num_heads=c.num_heads,
         num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, hidden_size=c.hidden_size,
         vocab_size=c.vocab_size, max_positions=max_positions(loaded),
@@ -245,16 +247,20 @@ class Lab:
         """Time a point with this run's --repeat and --max-point-s."""
         return measure(run, repeat or self.repeat, setup, max_total_s=self.max_point_s)
 
-    def load(self, dtype: str) -> LoadedModel:
-        """The same model in another dtype (loaded once; `release` frees it)."""
-        if dtype == self.dtype:
+    def load(self, dtype: str, quantization: str | None = None, stored: bool = False) -> LoadedModel:
+        """The same model held another way (loaded once; `release` frees it): float weights in `dtype`
+        (a GGUF file's blocks expanded), blocks made by `quantization` at load, or with `stored` the
+        file's own blocks (activations in `dtype`)."""
+        key = (dtype, quantization, stored)
+        if self.loaded.weight_format == weight_format_name(dtype, quantization, stored, self.loaded):
             return self.loaded
-        if dtype not in self._other_dtypes:
-            self._other_dtypes[dtype] = load_model(self.loaded.path, dtype=dtype, device=self.model.device)
-        return self._other_dtypes[dtype]
+        if key not in self._other_dtypes:
+            self._other_dtypes[key] = load_model(self.loaded.path, dtype=dtype, device=self.model.device,
+                                                 dequantize=not stored, quantization=quantization)  # fmt: skip
+        return self._other_dtypes[key]
 
-    def release(self, dtype: str) -> None:
-        self._other_dtypes.pop(dtype, None)
+    def release(self, dtype: str, quantization: str | None = None, stored: bool = False) -> None:
+        self._other_dtypes.pop((dtype, quantization, stored), None)
 
     def progress(self, total: int, desc: str):
         """A progress bar on stderr (tqdm); experiments call .update() and .set_postfix_str()."""
@@ -262,6 +268,16 @@ class Lab:
 
         return tqdm(total=total, desc=desc, unit="pt", file=sys.stderr, leave=False,
                     disable=not self.show_progress, dynamic_ncols=True)  # fmt: skip
+
+
+def weight_format_name(dtype: str, quantization: str | None, stored: bool, loaded: LoadedModel) -> str:
+    """The weight format a `Lab.load` of these settings gives (to reuse the lab's own model when it is that)."""
+    if quantization:
+        return f"{quantization} (quantized at load)"
+    if stored:
+        native = loaded.weight_format.endswith("(as stored)") and loaded.model.dtype == getattr(torch, dtype)
+        return loaded.weight_format if native else f"the file's blocks, {dtype} activations"
+    return dtype
 
 
 # ---- workloads shared by several experiments -----------------------------------------------------

@@ -119,6 +119,29 @@ def dtype(plt, data):
     return fig
 
 
+def bits(plt, data):
+    """Decode tok/s against the bytes a decode step reads, with the bandwidth's prediction as a line."""
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    pts = data["points"]
+    xs = [p["bytes_per_token"] / 1e6 for p in pts]
+    lo, hi = min(xs) * 0.7, max(xs) * 1.3
+    line = [lo * (hi / lo) ** (i / 100) for i in range(101)]
+    bw = data["bandwidth_gb_s"]
+    ax.plot(line, [bw * 1e3 / x for x in line], color="0.5", linestyle="--",
+            label=f"prediction: {bw:.0f} GB/s ÷ bytes read")  # fmt: skip
+    for p, x in zip(pts, xs):
+        lo_s, hi_s = p["decode_step"]["min_s"], p["decode_step"]["max_s"]
+        err = [[p["decode_tok_s"] - 1 / hi_s], [1 / lo_s - p["decode_tok_s"]]]
+        ax.errorbar([x], [p["decode_tok_s"]], yerr=err, marker="o", capsize=3, linestyle="none")
+        ax.annotate(p["label"], (x, p["decode_tok_s"]), textcoords="offset points", xytext=(6, 4), fontsize=8)
+    ax.set(xscale="log", yscale="log", xlabel="bytes read per decode step (MB, log scale)",
+           ylabel="decode tokens per second (log scale)", title="Fewer bytes per weight, faster decode")  # fmt: skip
+    ax.set_xticks(xs, [f"{x:.0f}" for x in xs])
+    ax.minorticks_off()
+    ax.legend(fontsize=8)
+    return fig
+
+
 def context(plt, data):
     fig, ax = plt.subplots(figsize=(6.5, 4))
     pts = data["points"]
@@ -174,5 +197,5 @@ def batching(plt, data):
     return fig
 
 
-PLOTS = {"phases": phases, "cache": cache, "roofline": roofline, "dtype": dtype, "context": context,
+PLOTS = {"phases": phases, "cache": cache, "roofline": roofline, "dtype": dtype, "bits": bits, "context": context,
          "attention": attention, "batching": batching}  # fmt: skip

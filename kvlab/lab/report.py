@@ -161,7 +161,7 @@ def header(results: dict) -> str:
     facts = md_table(["", ""], [
         ["model", f"{m['name']} ({m['architecture']}, {num(m['params'] / 1e6, 0)} M parameters, "
                   f"{num(m['num_layers'])} layers, {m['num_heads']} / {m['num_kv_heads']} query / KV heads)"],
-        ["weights in memory", f"{m['dtype']}, {num(m['weight_bytes'] / 1e6, 0)} MB "
+        ["weights in memory", f"{m.get('weight_format', m['dtype'])}, {num(m['weight_bytes'] / 1e6, 0)} MB "
                               f"({num(m['decode_weight_bytes'] / 1e6, 0)} MB streamed per decode step)"],
         ["CPU", f"{mc['cpu_model']}, {mc['cores']} logical CPUs, {mc['threads']} "
                 f"thread{'s' if mc['threads'] > 1 else ''} used"],
