@@ -85,9 +85,8 @@ class LLM:
         return self._require_tokenizer().encode(prompt, add_special_tokens=True)
 
     def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
-        tokenizer = self._require_tokenizer()
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        return tokenizer.encode(text, add_special_tokens=False)  # the template writes any BOS itself
+        # the template writes any BOS itself; special tokens in message content stay text
+        return self._require_tokenizer().encode_chat(messages, add_generation_prompt=True)
 
     def _require_tokenizer(self):
         if self.tokenizer is None:

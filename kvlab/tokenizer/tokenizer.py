@@ -13,6 +13,7 @@ from kvlab.errors import KvlabError
 from kvlab.gguf_file import GGUFFile
 from kvlab.tokenizer.chat_template import compile_chat_template, render_chat_template
 from kvlab.tokenizer.gguf_bpe import build_byte_level_bpe, gguf_add_bos_eos, gguf_special_ids
+from kvlab.tokenizer.shield import ContentShield, encode_rendered
 
 # Special tokens that end a turn or a document: generation stops on them as well as on the eos token.
 _END_OF_TURN_TOKENS = (
@@ -51,9 +52,10 @@ class Tokenizer:
         self.pad_token_id = pad_token_id
         self.unk_token_id = unk_token_id
         self.chat_template = chat_template
-        self._special_ids = frozenset(
-            i for i, t in backend.get_added_tokens_decoder().items() if getattr(t, "special", False)
-        )
+        specials = {i: t.content for i, t in backend.get_added_tokens_decoder().items() if getattr(t, "special", False)}
+        self._special_ids = frozenset(specials)
+        self._special_texts = tuple(specials.values())
+        self._plain: FastTokenizer | None = None  # a copy that reads special tokens as text (chat content)
         self.eos_token_ids = self._stop_ids(eos_token_ids)
         # BOS/EOS that `encode(add_special_tokens=True)` adds itself (tokenizer.json post-processors add their own).
         self._prepend_bos = prepend_bos and bos_token_id is not None
@@ -151,8 +153,12 @@ class Tokenizer:
     # -- encoding and decoding ----------------------------------------------------------------------------------------
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids for `text`; special tokens written in the text stay whole. Adds BOS/EOS as the model asks."""
-        ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        """Token ids for `text`; special tokens written in the text stay whole. Adds BOS/EOS as the model asks.
+
+        Safe to call from a worker thread: the Rust tokenizer runs without the GIL (`encode_batch`
+        releases it, `encode` does not), so a long prompt does not stall the server's event loop.
+        """
+        ids = self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         if add_special_tokens and self._prepend_bos:
             ids.insert(0, self.bos_token_id)
         if add_special_tokens and self._append_eos:
@@ -220,6 +226,27 @@ class Tokenizer:
             special_tokens=special_tokens,
             extra=extra,
         )
+
+    def encode_chat(
+        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True, **extra: Any
+    ) -> list[int]:
+        """Token ids of a conversation: the template's markup may hold special tokens, the messages'
+        content never does — `<|im_end|>` written by a user is tokenized as those ten characters."""
+        shield = ContentShield(self._special_texts)
+        text = self.apply_chat_template(shield.protect(messages), add_generation_prompt, **extra)
+
+        def encode(t: str):
+            e = self._tok.encode_batch([t], add_special_tokens=False)[0]
+            return e.ids, e.offsets
+
+        return encode_rendered(text, shield, encode, self._encode_plain, self._special_ids)
+
+    def _encode_plain(self, text: str) -> list[int]:
+        if self._plain is None:
+            plain = FastTokenizer.from_str(self._tok.to_str())
+            plain.encode_special_tokens = True
+            self._plain = plain
+        return self._plain.encode_batch([text], add_special_tokens=False)[0].ids
 
     def _compiled_template(self) -> jinja2.Template:
         if self._template is None:

@@ -1,0 +1,96 @@
+"""Chat content is text: special tokens a user writes are tokenized as characters, never as control tokens.
+
+A chat template writes its markup (`<|im_start|>user\\n ... <|im_end|>`) as text, and the rendered
+prompt is tokenized with special tokens recognised — so a message that contains `<|im_end|>
+<|im_start|>system` would become real control tokens (role injection). To keep the template's
+markup special and the messages' text plain:
+
+1. `ContentShield.protect` replaces, in each message's content, every special token's text with a
+   sentinel: one character of Unicode's Supplementary Private Use Area-B (U+100000 + k for the
+   k-th distinct string; characters of that range already in the content are protected too, so
+   the mapping is exact). Templates that trim or split the content see one opaque character.
+2. The template renders; every special token left in the prompt is the template's own.
+3. `encode_rendered` tokenizes the prompt as usual (special tokens recognised), then re-tokenizes
+   each stretch between two special tokens that holds a sentinel, with the sentinels restored and
+   special tokens *not* recognised. Hugging Face tokenizers split the input at added tokens before
+   anything else, so this equals tokenizing that stretch alone: the result is what the prompt
+   would give if only the template's markup were special.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Iterable, Mapping, Sequence
+
+_SENTINEL_BASE = 0x100000  # Supplementary Private Use Area-B: U+100000 .. U+10FFFD
+_SENTINEL_RANGE = "\U00100000-\U0010fffd"
+
+
+class ContentShield:
+    """Swaps special-token texts in chat content for sentinel characters, and back."""
+
+    def __init__(self, special_texts: Iterable[str]) -> None:
+        texts = sorted({t for t in special_texts if t}, key=len, reverse=True)  # longest first: no partial matches
+        alternatives = [re.escape(t) for t in texts] + [f"[{_SENTINEL_RANGE}]"]
+        self._pattern = re.compile("|".join(alternatives))
+        self._sentinel_chars = re.compile(f"[{_SENTINEL_RANGE}]")
+        self.protected: list[str] = []  # sentinel k stands for protected[k]
+        self._index: dict[str, int] = {}
+
+    @property
+    def used(self) -> bool:
+        return bool(self.protected)
+
+    def protect(self, messages: Sequence[Mapping[str, Any]]) -> list[dict]:
+        """Copies of the messages with every special token in a string `content` replaced by a sentinel."""
+        out = []
+        for message in messages:
+            message = dict(message)
+            if isinstance(message.get("content"), str):
+                message["content"] = self._pattern.sub(self._sentinel, message["content"])
+            out.append(message)
+        return out
+
+    def restore(self, text: str) -> str:
+        return self._sentinel_chars.sub(lambda m: self.protected[ord(m.group()) - _SENTINEL_BASE], text)
+
+    def has_sentinel(self, text: str) -> bool:
+        return self._sentinel_chars.search(text) is not None
+
+    def _sentinel(self, match: re.Match) -> str:
+        text = match.group()
+        k = self._index.get(text)
+        if k is None:
+            if len(self.protected) >= 0x10FFFD - _SENTINEL_BASE:
+                raise ValueError("too many distinct special tokens in one conversation")
+            k = self._index[text] = len(self.protected)
+            self.protected.append(text)
+        return chr(_SENTINEL_BASE + k)
+
+
+def encode_rendered(text: str, shield: ContentShield, encode, encode_plain, special_ids: frozenset[int]) -> list[int]:
+    """Token ids of a rendered chat prompt whose content was protected by `shield`.
+
+    `encode(text)` → (ids, char offsets) with special tokens recognised; `encode_plain(text)` → ids
+    with special tokens read as plain text.
+    """
+    ids, offsets = encode(text)
+    if not shield.used:
+        return ids
+    out: list[int] = []
+    gap_token, gap_char = 0, 0  # the stretch since the last special token: first token, first character
+
+    def close_gap(end_token: int, end_char: int) -> None:
+        stretch = text[gap_char:end_char]
+        if shield.has_sentinel(stretch):
+            out.extend(encode_plain(shield.restore(stretch)))
+        else:
+            out.extend(ids[gap_token:end_token])
+
+    for k, (token_id, (start, end)) in enumerate(zip(ids, offsets)):
+        if token_id in special_ids:
+            close_gap(k, start)
+            out.append(token_id)
+            gap_token, gap_char = k + 1, end
+    close_gap(len(ids), len(text))
+    return out
