@@ -66,12 +66,12 @@ def test_synthetic_stream_with_special_tokens(synthetic: Tokenizer) -> None:
     assert "".join(pieces) == "hi 🙂世界"
 
 
-def test_incomplete_character_at_end_is_flushed(synthetic: Tokenizer) -> None:
-    ids = synthetic.encode("ok 🙂")[:-1]  # cut inside the emoji's bytes
+def test_incomplete_character_at_end_is_dropped(synthetic: Tokenizer) -> None:
+    ids = synthetic.encode("ok 🙂 x🙂")[:-1]  # cut inside the last emoji's bytes
     detok = IncrementalDetokenizer(synthetic)
     text = "".join(detok.push(i) for i in ids)
-    assert text == "ok "
-    assert detok.flush().endswith("\ufffd")
+    assert text in ("ok 🙂", "ok 🙂 ", "ok 🙂 x")  # " x" may still be held with the emoji's first bytes
+    assert text + detok.flush() == "ok 🙂 x"  # never a U+FFFD for the half character
     assert detok.flush() == ""
 
 

@@ -3,7 +3,8 @@
 Byte-level vocabularies split one character (an emoji, a CJK ideograph) over several tokens, so
 decoding a single token can give half a character. `IncrementalDetokenizer` decodes a small window
 of recent ids and emits only the text that became final, holding back while the decoded tail ends
-in U+FFFD (an incomplete UTF-8 sequence), the way vLLM and TGI stream text.
+in U+FFFD (an incomplete UTF-8 sequence), the way vLLM and TGI stream text. At the end (max_tokens
+cut a character in half) the incomplete bytes are dropped: text never ends in a broken character.
 """
 
 from __future__ import annotations
@@ -40,8 +41,8 @@ class IncrementalDetokenizer:
         return self._advance(final=False)
 
     def flush(self) -> str:
-        """Return whatever is still held back (an incomplete character at the very end comes out as U+FFFD)."""
-        return self._advance(final=True)
+        """Return whatever is still held back, less an incomplete character at the very end (dropped)."""
+        return self._advance(final=True).rstrip(_REPLACEMENT)
 
     def _advance(self, final: bool) -> str:
         if self._read == len(self._ids):
