@@ -182,7 +182,7 @@ def test_server_on_cuda_answers_a_chat_completion(tiny_chat_model):
     llm = LLM(tiny_chat_model, device="cuda", max_model_len=256)
     app = create_app(llm, AsyncEngine(llm.engine), ServerConfig(model_name="tiny"))
     body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "temperature": 0}
-    with TestClient(app) as client:
+    with TestClient(app, base_url="http://localhost") as client:  # the Host header must name this server
         reply = client.post("/v1/chat/completions", json=body)
         assert reply.status_code == 200, reply.text
         assert reply.json()["usage"]["completion_tokens"] <= 8

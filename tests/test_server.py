@@ -30,7 +30,7 @@ def server(tiny_chat_model):
     torch.set_num_threads(1)
     llm = LLM(tiny_chat_model, max_model_len=256)
     engine = AsyncEngine(llm.engine)
-    app = create_app(llm, engine, ServerConfig(model_name="tiny", api_key=KEY, max_body_bytes=64 * 1024))
+    app = create_app(llm, engine, ServerConfig(model_name="tiny", api_keys=(KEY,), max_body_bytes=64 * 1024))
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -124,7 +124,7 @@ def test_models_health_and_metrics(server):
     assert models["object"] == "list" and models["data"][0]["id"] == "tiny"
     assert http(server, "GET", "/health", key=None).json() == {"status": "ok"}
     http(server, "POST", "/v1/completions", json={"model": "tiny", "prompt": "abc", "max_tokens": 3})
-    metrics = http(server, "GET", "/metrics", key=None)
+    metrics = http(server, "GET", "/metrics")
     assert metrics.headers["content-type"].startswith("text/plain")
     text = metrics.text
     for name in ("kvlab_requests_running", "kvlab_requests_waiting", "kvlab_kv_blocks_used", "kvlab_kv_blocks_total",
@@ -161,7 +161,7 @@ def test_models_health_and_metrics(server):
     ],
 )
 def test_errors_have_the_right_status_and_the_openai_shape(server, path, body, status, code):
-    kwargs = {"content": body} if isinstance(body, bytes) else {"json": body}
+    kwargs = {"content": body, "headers": {"Content-Type": "application/json"}} if isinstance(body, bytes) else {"json": body}
     r = http(server, "POST", path, **kwargs)
     assert r.status_code == status, r.text
     error = r.json()["error"]
@@ -170,11 +170,13 @@ def test_errors_have_the_right_status_and_the_openai_shape(server, path, body, s
         assert error["code"] == code
 
 
-def test_api_key_is_required_on_v1_only(server):
+def test_api_key_is_required_on_v1_and_metrics_but_not_health(server):
     assert http(server, "GET", "/v1/models", key=None).status_code == 401
     r = http(server, "POST", "/v1/completions", key="wrong", json={"model": "tiny", "prompt": "hi"})
     assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
-    assert http(server, "GET", "/metrics", key=None).status_code == 200
+    metrics = http(server, "GET", "/metrics", key=None)
+    assert metrics.status_code == 401 and metrics.json()["error"]["code"] == "invalid_api_key"
+    assert http(server, "GET", "/health", key=None).status_code == 200
 
 
 def test_openai_client_raises_its_own_errors(client):
@@ -201,13 +203,20 @@ def test_a_client_that_disconnects_mid_stream_frees_its_blocks(server):
     llm.engine.kv.pool.check_integrity()
 
 
-def test_a_client_that_gives_up_on_a_plain_request_frees_its_blocks(server):
-    _, llm, _ = server
+def test_a_client_that_gives_up_on_a_plain_request_frees_its_blocks(server, monkeypatch):
+    _, llm, engine = server
     wait_idle(llm)
     aborted = llm.engine.stats.finished.get("abort", 0)
+    # hold the engine thread inside its first step until the server has seen the client go:
+    # the request cannot finish first, however fast the machine
+    step, abort = llm.engine.step, engine.abort
+    abort_asked = threading.Event()
+    monkeypatch.setattr(llm.engine, "step", lambda: abort_asked.wait(10) and step())
+    monkeypatch.setattr(engine, "abort", lambda rid: (abort(rid), abort_asked.set()))
     body = {"model": "tiny", "prompt": "The capital", "max_tokens": 240, "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):
         http(server, "POST", "/v1/completions", json=body, timeout=0.3)
+    assert abort_asked.wait(10)
     wait_idle(llm)
     assert llm.engine.stats.finished.get("abort", 0) == aborted + 1
 

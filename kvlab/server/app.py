@@ -3,16 +3,27 @@
     POST /v1/completions, /v1/chat/completions   streaming (server-sent events, `data: [DONE]`) or not
     GET  /v1/models, /health, /metrics
 
-Every response of a generation carries an extra `kvlab` field: the request's timing split (queue,
-prefill compute and the steps it shared, decode, tokens from the prefix cache). A client that goes
-away mid-request has its request aborted and its KV blocks freed.
+A generation request goes: the guard (Host, Origin, Content-Type: `guard.py`) → the API key →
+admission (at most `max_concurrent_requests` in flight, 429 beyond) → the body, read on the event
+loop within its size limit → a worker thread parses the JSON, checks every field, renders the
+chat template and tokenizes (`prepare`), so that a 4 MB request never stalls /health → the
+engine thread. Every response of a generation carries an extra `kvlab` field: the request's timing
+split and kvlab's own finish reason. A client that goes away mid-request has its request aborted
+and its KV blocks freed.
+
+Prefix-cache isolation: each request reaches the engine with a cache salt made of its tenant (its
+API key, its `user` field or a header, per `cache_salt_by`) and its own `cache_salt`; requests
+share cached blocks — and learn `cached_prompt_tokens` — only within one salt.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import hmac
 import json
+import logging
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
@@ -22,23 +33,66 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvlab.errors import KvlabError
 from kvlab.output.result import RequestOutput
-from kvlab.server import protocol
-from kvlab.server.async_engine import AsyncEngine, EngineDead
+from kvlab.server import responses
+from kvlab.server.async_engine import AsyncEngine, EngineDead, StepFailed
+from kvlab.server.body import parse_json, read_body
+from kvlab.server.guard import Guard, GuardConfig
 from kvlab.server.metrics import CONTENT_TYPE, render
-from kvlab.server.protocol import APIError, ParsedRequest
+from kvlab.server.protocol import APIError, Limits, ParsedRequest, parse_chat, parse_completion
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_BODY_BYTES = 4 * 2**20
+CACHE_SALT_BY = ("none", "api-key", "user", "header")
 
 
-@dataclass
+@dataclass(frozen=True)
 class ServerConfig:
     model_name: str
-    api_key: str | None = None
+    api_keys: tuple[str, ...] = ()  # any of them opens /v1 (and /metrics unless public_metrics)
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    host: str = "127.0.0.1"  # the address bound: a Host header may name it
+    allowed_hosts: tuple[str, ...] = ()  # more names for the Host header ("*": any)
+    allowed_origins: tuple[str, ...] = ()  # web origins allowed, with CORS headers ("*": any); none: no browser
+    public_metrics: bool = False  # /metrics without the API key (a Prometheus scraper on loopback)
+    cache_salt_by: str = "api-key"  # the tenant a request's cache salt is made of: see CACHE_SALT_BY
+    tenant_header: str = "X-Tenant-Id"  # with cache_salt_by="header"
+    max_concurrent_requests: int = 128  # in flight (tokenizing, waiting, running, streaming); 429 beyond
+    max_messages: int = 1024
+    max_prompt_chars: int | None = None  # None: max_model_len × the vocabulary's longest token (cannot fit more)
+    tokenizer_threads: int = 2
+
+    def __post_init__(self) -> None:
+        if self.cache_salt_by not in CACHE_SALT_BY:
+            raise KvlabError(f"cache_salt_by must be one of {', '.join(CACHE_SALT_BY)}, got {self.cache_salt_by!r}")
+
+
+class _Admission:
+    """Requests in flight, counted on the event loop (one thread: no lock)."""
+
+    def __init__(self, limit: int):
+        self.limit, self.count = limit, 0
+
+    def enter(self):
+        if self.count >= self.limit:
+            raise APIError(429, f"the server has {self.limit} requests in flight, its limit: retry later",
+                           type="server_error", code="server_overloaded", headers={"Retry-After": "1"})  # fmt: skip
+        self.count += 1
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released, self.count = True, self.count - 1
+
+        return release
 
 
 def create_app(llm, engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     """`llm` tokenizes (kvlab.llm.LLM; its engine is driven only by `engine`'s thread from now on)."""
+    limits = Limits(llm.engine.max_model_len, config.max_prompt_chars or _prompt_chars_bound(llm), config.max_messages)
+    workers = ThreadPoolExecutor(config.tokenizer_threads, thread_name_prefix="kvlab-tokenize")
+    admission = _Admission(config.max_concurrent_requests)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -46,69 +100,108 @@ def create_app(llm, engine: AsyncEngine, config: ServerConfig) -> FastAPI:
             engine.start()
         yield
         await asyncio.to_thread(engine.shutdown)  # abort whatever is still running
+        workers.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="kvlab", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    cors_headers = ("authorization", "content-type", config.tenant_header.lower())
+    guard = GuardConfig(config.host, config.allowed_hosts, config.allowed_origins, cors_headers)
+    app.add_middleware(Guard, config=guard)
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, e: APIError):
-        return JSONResponse(e.body(), status_code=e.status)
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, e: StarletteHTTPException):
         code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code)
         return JSONResponse(APIError(e.status_code, str(e.detail), code=code).body(), status_code=e.status_code)
 
-    async def authorized(request: Request) -> None:
-        if config.api_key is None:
-            return
-        given = request.headers.get("authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {config.api_key}".encode()):
-            raise APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'", code="invalid_api_key")
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, e: Exception):  # a bug: still OpenAI's shape (logged with its traceback)
+        error = APIError(500, "internal server error", type="server_error", code="internal_error")
+        return JSONResponse(error.body(), status_code=500)
+
+    async def authorized(request: Request) -> str | None:
+        """The API key the request presented (None when the server has none)."""
+        if not config.api_keys:
+            return None
+        given = request.headers.get("authorization", "").encode()
+        for key in config.api_keys:
+            if hmac.compare_digest(given, f"Bearer {key}".encode()):
+                return key
+        raise APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'", code="invalid_api_key")
+
+    async def metrics_authorized(request: Request) -> None:
+        if not config.public_metrics:
+            await authorized(request)
 
     @app.get("/health")
     async def health():
         if not engine.is_alive:
             return JSONResponse({"status": "engine stopped"}, status_code=503)
+        if not engine.is_serving:
+            return JSONResponse({"status": "shutting down"}, status_code=503)
         return {"status": "ok"}
 
-    @app.get("/metrics")
+    @app.get("/metrics", dependencies=[Depends(metrics_authorized)])
     async def metrics():
         return PlainTextResponse(render(llm.engine, config.model_name), media_type=CONTENT_TYPE)
 
     @app.get("/v1/models", dependencies=[Depends(authorized)])
     async def models():
-        return {"object": "list", "data": [protocol.model_card(config.model_name, llm.engine.max_model_len)]}
+        return {"object": "list", "data": [responses.model_card(config.model_name, llm.engine.max_model_len)]}
 
-    @app.post("/v1/completions", dependencies=[Depends(authorized)])
-    async def completions(request: Request):
-        body = await _read_json(request, config)
-        parsed = _parse(lambda: protocol.parse_completion(body, llm.encode))
-        return await _serve(parsed, request)
+    @app.post("/v1/completions")
+    async def completions(request: Request, key: str | None = Depends(authorized)):
+        return await _generate(request, "completion", key)
 
-    @app.post("/v1/chat/completions", dependencies=[Depends(authorized)])
-    async def chat_completions(request: Request):
-        body = await _read_json(request, config)
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request, key: str | None = Depends(authorized)):
         if llm.tokenizer is None or llm.tokenizer.chat_template is None:
-            raise APIError(400, f"model {config.model_name} has no chat template: use /v1/completions", param="messages")
-        parsed = _parse(lambda: protocol.parse_chat(body, llm.encode_chat, llm.engine.max_model_len))
-        return await _serve(parsed, request)
+            message = f"model {config.model_name} has no chat template: use /v1/completions"
+            raise APIError(400, message, param="messages")
+        return await _generate(request, "chat", key)
 
-    async def _serve(parsed: ParsedRequest, request: Request):
+    async def _generate(request: Request, kind: str, key: str | None):
+        release = admission.enter()
+        try:
+            raw = await read_body(request, config.max_body_bytes)
+            parsed = await asyncio.get_running_loop().run_in_executor(workers, _prepare, kind, raw)
+            output = RequestOutput(prompt=parsed.prompt_text, prompt_token_ids=parsed.prompt_token_ids)
+            salt = _cache_salt(config, key, request.headers.get(config.tenant_header), parsed)
+            queue = engine.submit(parsed.request_id, parsed.prompt_token_ids, parsed.params, output, salt)
+        except EngineDead as e:
+            release()
+            raise APIError(503, str(e), type="server_error", code="engine_stopped") from None
+        except BaseException:
+            release()
+            raise
+        if parsed.stream:
+            events = _events(parsed, queue, output, release)
+            return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        try:
+            final = await _final_or_disconnect(parsed.request_id, queue, request)
+        finally:
+            release()
+        return JSONResponse(responses.response(parsed, config.model_name, final))
+
+    def _prepare(kind: str, raw: bytes) -> ParsedRequest:
+        """In a worker thread: JSON, every field, the chat template, tokenization, the context check."""
+        body = parse_json(raw)
+        _check_model(body, config.model_name)
+        try:
+            if kind == "completion":
+                parsed = parse_completion(body, llm.encode, limits)
+            else:
+                parsed = parse_chat(body, llm.encode_chat, limits)
+        except KvlabError as e:  # tokenizer or template problems with the user's input
+            raise APIError(400, str(e), param="messages" if kind == "chat" else "prompt") from None
         try:
             llm.engine.check_prompt(parsed.prompt_token_ids, parsed.params.max_tokens)
         except KvlabError as e:
             code = "context_length_exceeded" if "context" in str(e) else None
-            raise APIError(400, str(e), param="messages" if parsed.kind == "chat" else "prompt", code=code) from None
-        output = RequestOutput(prompt=parsed.prompt_text, prompt_token_ids=parsed.prompt_token_ids)
-        try:
-            queue = engine.submit(parsed.request_id, parsed.prompt_token_ids, parsed.params, output)
-        except EngineDead:
-            raise APIError(503, "the engine has stopped", type="server_error") from None
-        if parsed.stream:
-            events = _events(parsed, queue, output)
-            return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        final = await _final_or_disconnect(parsed.request_id, queue, request)
-        return JSONResponse(protocol.response(parsed, config.model_name, final))
+            raise APIError(400, str(e), param="messages" if kind == "chat" else "prompt", code=code) from None
+        return parsed
 
     async def _final_or_disconnect(request_id: str, queue: asyncio.Queue, request: Request) -> RequestOutput:
         result = asyncio.ensure_future(_until_finished(queue))
@@ -124,41 +217,80 @@ def create_app(llm, engine: AsyncEngine, config: ServerConfig) -> FastAPI:
             raise APIError(499, "client closed the request")
         return result.result()
 
-    async def _events(parsed: ParsedRequest, queue: asyncio.Queue, output: RequestOutput):
+    async def _events(parsed: ParsedRequest, queue: asyncio.Queue, output: RequestOutput, release):
         """Server-sent events; if the client disconnects Starlette cancels this generator: abort."""
         finished = False
         model = config.model_name
         try:
             if parsed.kind == "chat":
-                yield _sse(protocol.chunk(parsed, model, None, first=True))
+                yield _sse(responses.chunk(parsed, model, None, first=True))
             while not finished:
                 item = await queue.get()
-                if isinstance(item, BaseException):
+                error = _item_error(item)
+                if error is not None:
                     finished = True
-                    yield _sse(APIError(500, f"engine error: {item}", type="server_error").body())
+                    yield _sse(error.body())
                     break
                 if item.new_text:
-                    yield _sse(protocol.chunk(parsed, model, item.new_text))
+                    yield _sse(responses.chunk(parsed, model, item.new_text))
                 if item.finished:
                     finished = True
-                    last = protocol.chunk(parsed, model, None, finish_reason=output.finish_reason)
-                    last["kvlab"] = output.metrics.timing_split()
+                    last = responses.chunk(parsed, model, None, finish=output.finish_reason)
+                    last["kvlab"] = responses.kvlab_field(output)
                     yield _sse(last)
                     if parsed.include_usage:
-                        yield _sse(protocol.usage_chunk(parsed, model, output))
+                        yield _sse(responses.usage_chunk(parsed, model, output))
             yield "data: [DONE]\n\n"
         finally:
+            release()
             if not finished:
                 engine.abort(parsed.request_id)
 
     return app
 
 
+def _check_model(body: dict, served: str) -> None:
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise APIError(400, "'model' is required: see GET /v1/models", param="model")
+    if model != served:
+        raise APIError(404, f"the model {model!r:.80} does not exist: this server serves '{served}'", param="model",
+                       code="model_not_found")  # fmt: skip
+
+
+def _cache_salt(config: ServerConfig, key: str | None, header: str | None, parsed: ParsedRequest) -> str | None:
+    """The engine's cache salt: a digest of the tenant and the request's own cache_salt (None: neither)."""
+    tenant = {"none": None, "api-key": key, "user": parsed.user, "header": header}[config.cache_salt_by]
+    if tenant is None and parsed.cache_salt is None:
+        return None
+    return hashlib.sha256(json.dumps([config.cache_salt_by, tenant, parsed.cache_salt]).encode()).hexdigest()
+
+
+def _prompt_chars_bound(llm) -> int | None:
+    """No prompt longer than max_model_len × the longest token (in bytes, ≥ its characters) can fit."""
+    if llm.tokenizer is None:
+        return None
+    longest = max(map(len, llm.tokenizer.backend.get_vocab(with_added_tokens=True)))
+    return llm.engine.max_model_len * longest
+
+
+def _item_error(item) -> APIError | None:
+    """What a queue item says went wrong: a failed step (500 step_failed), or a request that never ran."""
+    if isinstance(item, StepFailed) or (not isinstance(item, BaseException) and item.error is not None):
+        why = item if isinstance(item, StepFailed) else item.error
+        return APIError(500, f"the engine step that carried this request failed ({why}); other requests go on",
+                        type="server_error", code="step_failed")  # fmt: skip
+    if isinstance(item, BaseException):
+        return APIError(500, f"engine error: {item}", type="server_error", code="engine_error")
+    return None
+
+
 async def _until_finished(queue: asyncio.Queue) -> RequestOutput:
     while True:
         item = await queue.get()
-        if isinstance(item, BaseException):
-            raise APIError(500, f"engine error: {item}", type="server_error")
+        error = _item_error(item)
+        if error is not None:
+            raise error
         if item.finished:
             return item.output
 
@@ -169,41 +301,6 @@ async def _disconnected(request: Request) -> None:
         message = await request.receive()
         if message["type"] == "http.disconnect":
             return
-
-
-async def _read_json(request: Request, config: ServerConfig) -> dict:
-    limit = config.max_body_bytes
-    declared = request.headers.get("content-length")
-    too_large = APIError(413, f"request body larger than {limit} bytes", code="request_too_large")
-    if declared and declared.isdigit() and int(declared) > limit:
-        raise too_large
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise too_large
-        chunks.append(chunk)
-    try:
-        body = json.loads(b"".join(chunks))
-    except (ValueError, UnicodeDecodeError):
-        raise APIError(400, "the request body is not valid JSON", code="invalid_json") from None
-    if not isinstance(body, dict):
-        raise APIError(400, "the request body must be a JSON object", code="invalid_json")
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise APIError(400, "'model' is required: see GET /v1/models", param="model")
-    served = config.model_name
-    if model != served:
-        raise APIError(404, f"the model '{model}' does not exist: this server serves '{served}'", param="model",
-                       code="model_not_found")  # fmt: skip
-    return body
-
-
-def _parse(fn) -> ParsedRequest:
-    try:
-        return fn()
-    except KvlabError as e:  # tokenizer or template problems with the user's input
-        raise APIError(400, str(e)) from None
 
 
 def _sse(payload: dict) -> str:

@@ -5,21 +5,33 @@
 
 Only the engine thread touches the engine (the scheduler, the KV pool, the model): no locks in the
 engine itself. The thread blocks on the inbox while there is nothing to run. A request's queue
-receives StepOutputs (new text, new token ids) and, last, one with `finished` set; the
-`output` it carries is only read after that, when the engine no longer writes it.
+receives StepOutputs (new text, new token ids) and, last, one with `finished` set (and `error`,
+when its step failed); the `output` it carries is only read after that, when the engine no longer
+writes it. An exception object in the queue means the request never reached the engine, or the
+engine thread itself died.
+
+No request can stop the thread: the engine ends a failing step's requests itself
+(`LLMEngine.step`), and any request the engine forgot in a failed step is failed here. Only a
+broken engine (its KV pool inconsistent) ends the thread; then every waiting request fails,
+`is_alive` turns False (/health: 503) and `on_death` runs — the server exits, so that a supervisor
+restarts it instead of watching a process that answers 503 forever.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import queue
 import threading
 from dataclasses import dataclass
+from typing import Callable
 
 from kvlab.engine import LLMEngine
 from kvlab.output.processor import StepOutput
 from kvlab.output.result import RequestOutput
 from kvlab.sampling import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -32,9 +44,14 @@ class EngineDead(RuntimeError):
     pass
 
 
+class StepFailed(RuntimeError):
+    """A request the engine forgot in a failed step (its final output was lost with the step)."""
+
+
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine):
+    def __init__(self, engine: LLMEngine, on_death: Callable[[BaseException], None] | None = None):
         self.engine = engine
+        self.on_death = on_death
         self._inbox: queue.Queue = queue.Queue()
         self._listeners: dict[str, _Listener] = {}
         self._thread = threading.Thread(target=self._run, name="kvlab-engine", daemon=True)
@@ -46,17 +63,22 @@ class AsyncEngine:
     def is_alive(self) -> bool:
         return self._thread.is_alive() and self.error is None
 
+    @property
+    def is_serving(self) -> bool:
+        """Alive and taking new requests (not shutting down)."""
+        return self.is_alive and not self.draining
+
     def start(self) -> None:
         self._thread.start()
 
     # ---- called from the event loop ------------------------------------------------------------------
 
     def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-               output: RequestOutput) -> asyncio.Queue:  # fmt: skip
-        if not self.is_alive or self.draining:
-            raise EngineDead("the engine has stopped")
+               output: RequestOutput, cache_salt: str | None = None) -> asyncio.Queue:  # fmt: skip
+        if not self.is_serving:
+            raise EngineDead("the engine has stopped" if not self.is_alive else "the server is shutting down")
         listener = _Listener(asyncio.get_running_loop(), asyncio.Queue())
-        self._inbox.put(("add", request_id, prompt_token_ids, params, output, listener))
+        self._inbox.put(("add", request_id, prompt_token_ids, params, output, cache_salt, listener))
         return listener.queue
 
     def abort(self, request_id: str) -> None:
@@ -64,7 +86,7 @@ class AsyncEngine:
         self._inbox.put(("abort", request_id))
 
     def abort_all(self) -> None:
-        """Stop every request in flight (shutting down): each stream ends with finish_reason "abort"."""
+        """Stop every request in flight (shutting down): each ends now (finish_reason "length", kvlab's "abort")."""
         self.draining = True
         self._inbox.put(("abort_all",))
 
@@ -87,17 +109,26 @@ class AsyncEngine:
                 if self.engine.has_unfinished_requests:
                     for out in self.engine.step():
                         self._deliver(out)
-        except BaseException as e:  # a bug: fail every request rather than hang them
+                    self._fail_forgotten()  # a few dict lookups a step
+        except BaseException as e:  # the engine is broken: fail every request rather than hang them
+            logger.exception("the engine thread stopped")
             self.error = e
             for rid in list(self._listeners):
                 self._deliver_error(rid, e)
-            raise
+            if self.on_death is not None:
+                self.on_death(e)
         finally:
             for rid in list(self._listeners):  # shutting down: abort what is left
                 out = self.engine.abort_request(rid)
                 if out is not None:
                     self._deliver(out)
             self.stopped.set()
+
+    def _fail_forgotten(self) -> None:
+        """A request the engine no longer knows (its final output was lost in a failed step) fails now."""
+        for rid in list(self._listeners):
+            if not self.engine.has_request(rid):
+                self._deliver_error(rid, StepFailed("the request was lost in a failed engine step"))
 
     def _drain(self, block: bool) -> bool:
         """Apply every pending command (waiting for one if `block`); False once asked to stop."""
@@ -110,10 +141,10 @@ class AsyncEngine:
             if command[0] == "stop":
                 return False
             if command[0] == "add":
-                _, rid, ids, params, output, listener = command
+                _, rid, ids, params, output, cache_salt, listener = command
                 self._listeners[rid] = listener
                 try:
-                    self.engine.add_request(ids, params, request_id=rid, output=output)
+                    self.engine.add_request(ids, params, request_id=rid, output=output, cache_salt=cache_salt)
                 except Exception as e:  # checked before submit; anything left is reported to the request
                     self._deliver_error(rid, e)
             elif command[0] == "abort":

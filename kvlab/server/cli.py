@@ -1,13 +1,17 @@
 """`kvlab serve MODEL`: the OpenAI-compatible server, after printing its memory plan.
 
-Before loading anything it prints what it plans to hold (weights, the KV pool in blocks and tokens,
-how many full-context sequences fit); once loaded, the measured figures beside the plan.
+The port is bound first — a port in use is a one-line error before anything slow. Then it prints
+what it plans to hold (weights, the KV pool in blocks and tokens, how many full-context sequences
+fit); once loaded, the measured figures beside the plan; then it serves until SIGINT or SIGTERM.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
+import logging
 import os
+import socket
 import sys
 
 from kvlab.errors import KvlabError
@@ -17,11 +21,31 @@ def register(subparsers) -> None:
     p = subparsers.add_parser("serve", help="OpenAI-compatible server: continuous batching, paged KV, prefix cache")
     p.add_argument("model", help="registry name (see `kvlab list`), .gguf file, or Hugging Face directory")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 (default: $KVLAB_API_KEY)")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free port)")
     p.add_argument("--served-model-name", help="the model name clients send (default: MODEL as given)")
     p.add_argument("--max-body-bytes", type=int, default=None, help="largest request body accepted (default 4 MiB)")
     p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
+    g = p.add_argument_group("access")
+    g.add_argument("--api-key", action="append", default=[],
+                   help="require 'Authorization: Bearer KEY' on /v1 and /metrics; repeat or comma-separate for "
+                        "several keys (default: $KVLAB_API_KEY)")  # fmt: skip
+    g.add_argument("--public-metrics", action="store_true", help="serve /metrics without the API key (a scraper)")
+    g.add_argument("--allowed-hosts", action="append", default=[],
+                   help="more names the Host header may give (comma-separated; '*': any). IP addresses, "
+                        "'localhost' and the --host name are always allowed")  # fmt: skip
+    g.add_argument("--allowed-origins", action="append", default=[],
+                   help="web origins allowed to call from a browser, with CORS headers (comma-separated; '*': any). "
+                        "Default: none, a request with an Origin header is refused")  # fmt: skip
+    g = p.add_argument_group("isolation and limits")
+    g.add_argument("--cache-salt-by", default="api-key", choices=["none", "api-key", "user", "header"],
+                   help="tenants that never share prefix-cache blocks: by API key (default), by the request's "
+                        "'user' field, by the --tenant-header, or none (everyone shares)")  # fmt: skip
+    g.add_argument("--tenant-header", default="X-Tenant-Id", help="the header naming the tenant (--cache-salt-by header)")
+    g.add_argument("--max-concurrent-requests", type=int, default=128,
+                   help="requests in flight (queued, running, streaming) before new ones get 429 (default 128)")  # fmt: skip
+    g.add_argument("--max-messages", type=int, default=1024, help="messages in one chat request (default 1024)")
+    g.add_argument("--max-prompt-chars", type=int, default=None,
+                   help="characters in one prompt (default: the context × the longest token, more cannot fit)")  # fmt: skip
     from kvlab.generate_cli import _add_model_args
 
     _add_model_args(p)
@@ -32,52 +56,109 @@ def cmd_serve(args) -> int:
     from kvlab.generate_cli import check_model_args, engine_options
     from kvlab.server.app import DEFAULT_MAX_BODY_BYTES, ServerConfig
 
-    if not 0 < args.port < 65536:
-        raise KvlabError(f"--port must be in 1..65535, got {args.port}")
+    if not 0 <= args.port < 65536:
+        raise KvlabError(f"--port must be in 0..65535, got {args.port}")
     if args.no_cache:
         raise KvlabError("kvlab serve always keeps a KV cache: drop --no-cache")
+    for flag in ("max_concurrent_requests", "max_messages", "max_prompt_chars", "max_body_bytes"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            raise KvlabError(f"--{flag.replace('_', '-')} must be at least 1, got {value}")
     check_model_args(args)
     _check_web_stack()
-    options = engine_options(args)
-    plan, planned_weights = print_plan(args, options)
-    options["kv_memory_bytes"] = plan.nbytes  # allocate exactly what was planned
-    server = ServerConfig(
+    config = ServerConfig(
         model_name=args.served_model_name or str(args.model),
-        api_key=args.api_key or os.environ.get("KVLAB_API_KEY") or None,
+        api_keys=_list(args.api_key or [os.environ.get("KVLAB_API_KEY") or ""]),
         max_body_bytes=args.max_body_bytes or DEFAULT_MAX_BODY_BYTES,
+        host=args.host,
+        allowed_hosts=_list(args.allowed_hosts),
+        allowed_origins=_list(args.allowed_origins),
+        public_metrics=args.public_metrics,
+        cache_salt_by=args.cache_salt_by,
+        tenant_header=args.tenant_header,
+        max_concurrent_requests=args.max_concurrent_requests,
+        max_messages=args.max_messages,
+        max_prompt_chars=args.max_prompt_chars,
     )
-    from kvlab.generate_cli import open_llm
+    sock = listen(args.host, args.port)  # before loading: a port in use fails in a second, not after the model
+    try:
+        options = engine_options(args)
+        plan, planned_weights = print_plan(args, options)
+        options["kv_memory_bytes"] = plan.nbytes  # allocate exactly what was planned
+        from kvlab.generate_cli import open_llm
 
-    llm = open_llm(args, **options)
-    print_measured(llm, plan, planned_weights)
-    return run_server(llm, server, args.host, args.port, args.log_level)
+        llm = open_llm(args, **options)
+        print_measured(llm, plan, planned_weights)
+    except BaseException:
+        sock.close()
+        raise
+    code = run_server(llm, config, sock, args.log_level)
+    # The server has stopped and nothing is left to save, but tearing the interpreter down (torch,
+    # the weights, the tokenizer) takes seconds: flush and leave now, so that a stop is quick.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _list(values: list[str]) -> tuple[str, ...]:
+    """Repeated and comma-separated flag values, in order, without blanks or repeats."""
+    return tuple(dict.fromkeys(v.strip() for value in values for v in value.split(",") if v.strip()))
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A listening socket on host:port, or a one-line KvlabError (port in use, no such address).
+
+    Its protocol is IPPROTO_TCP, not 0: asyncio turns Nagle's algorithm off (TCP_NODELAY) only on
+    connections of such a socket. Without it every answer on a kept-alive connection — the openai
+    client keeps them — waited ~40 ms for the client's delayed ACK.
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(2048)
+    except OSError as e:
+        sock.close()
+        reason = "the port is in use (another server?): pick another --port" if e.errno == errno.EADDRINUSE else e
+        raise KvlabError(f"cannot listen on {host}:{port}: {reason}") from None
+    return sock
 
 
 SHUTDOWN_GRACE_S = 10.0  # after Ctrl-C, running requests get this long to finish before they are aborted
 
 
-def run_server(llm, config, host: str, port: int, log_level: str = "warning") -> int:
+def run_server(llm, config, sock: socket.socket, log_level: str = "warning") -> int:
     import uvicorn
 
     from kvlab.server.app import create_app
     from kvlab.server.async_engine import AsyncEngine
 
+    host, port = sock.getsockname()[:2]
     engine = AsyncEngine(llm.engine)
     app = create_app(llm, engine, config)
-    auth = "Bearer key required on /v1" if config.api_key else "no API key"
-    print(f"serving '{config.model_name}' on http://{host}:{port}  (OpenAI API under /v1; /metrics, /health; "
+    auth = "Bearer key required on /v1 and /metrics" if config.api_keys else "no API key"
+    uv_config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=SHUTDOWN_GRACE_S + 5)
+    server = graceful_server(uv_config, engine)
+    engine.on_death = lambda error: setattr(server, "should_exit", True)  # exit: a supervisor restarts us
+    shown = f"[{host}]" if ":" in host else host
+    print(f"serving '{config.model_name}' on http://{shown}:{port}  (OpenAI API under /v1; /metrics, /health; "
           f"{auth}). Ctrl-C stops.", file=sys.stderr, flush=True)  # fmt: skip
-    uv_config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                               timeout_graceful_shutdown=SHUTDOWN_GRACE_S + 5)  # fmt: skip
-    graceful_server(uv_config, engine).run()
+    server.run(sockets=[sock])
+    if engine.error is not None:
+        print(f"kvlab serve: the engine stopped ({type(engine.error).__name__}: {engine.error}); exiting",
+              file=sys.stderr)  # fmt: skip
+        return 1
     print("kvlab serve: stopped", file=sys.stderr)
     return 0
 
 
 def graceful_server(config, engine):
-    """uvicorn's server, with Ctrl-C in three stages: stop accepting and let running requests finish
-    (up to SHUTDOWN_GRACE_S), then abort them (their streams end with finish_reason "abort" and
-    `data: [DONE]`); a second Ctrl-C aborts at once, a third exits without waiting."""
+    """uvicorn's server, with SIGINT (Ctrl-C) and SIGTERM in three stages: stop accepting and let
+    running requests finish (up to SHUTDOWN_GRACE_S), then abort them (their streams end with
+    `data: [DONE]`); a second signal aborts at once, a third exits without waiting. The signal is
+    not re-raised afterwards (uvicorn does that): the process prints "stopped" and exits 0."""
     import threading
 
     import uvicorn
@@ -95,12 +176,13 @@ def graceful_server(config, engine):
                 timer = threading.Timer(SHUTDOWN_GRACE_S, engine.abort_all)
                 timer.daemon = True
                 timer.start()
-                return super().handle_exit(sig, frame)
-            if self.signals == 2:
+                engine.draining = True  # /health: 503 "shutting down"; new requests: 503
+                self.should_exit = True
+            elif self.signals == 2:
                 print("kvlab serve: aborting running requests", file=sys.stderr, flush=True)
                 engine.abort_all()
-                return None
-            return super().handle_exit(sig, frame)
+            else:
+                self.force_exit = True
 
     return Server(config)
 
@@ -168,8 +250,12 @@ def print_measured(llm, plan, planned_weights: int | None, file=None) -> None:
           f"{engine.kv.num_blocks:,} blocks, {engine.kv.num_tokens_capacity:,} tokens", file=file)  # fmt: skip
     print(f"  max concurrency    {plan.max_concurrency(engine.max_model_len):12.1f} → "
           f"{engine.kv.num_tokens_capacity / engine.max_model_len:.1f} at {engine.max_model_len:,} tokens", file=file)
-    print(f"  process peak RSS   {'':>12}   {_gb(peak_memory_bytes(engine.cache.device))} "
-          f"(KV pages are touched only as blocks fill)", file=file, flush=True)  # fmt: skip
+    peak = peak_memory_bytes(engine.cache.device)
+    if engine.cache.device.type == "cpu":  # the pool's pages become resident only as blocks fill
+        print(f"  process RSS        {'':>12}   {_gb(peak)} now, up to {_gb(peak + engine.cache.nbytes())} "
+              f"once the KV pool fills", file=file, flush=True)  # fmt: skip
+    else:
+        print(f"  device peak memory {'':>12}   {_gb(peak)} (the KV pool included)", file=file, flush=True)
 
 
 def _gb(n: int | None) -> str:
