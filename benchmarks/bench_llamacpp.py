@@ -1,0 +1,253 @@
+"""kvlab against llama.cpp on the same GGUF file and the same token ids, in alternating processes.
+
+    bash benchmarks/setup_llamacpp.sh                          # once: the peer, in a venv of its own
+    .venv/bin/python benchmarks/bench_llamacpp.py --models smollm2-135m qwen2.5-coder-0.5b --repeat 3
+
+Each round runs one kvlab process and one llama.cpp process per model (the order alternating from
+round to round), each measuring, with 2 threads:
+  - load: constructing the model from the file (kvlab: its weights and tokenizer; llama.cpp: Llama())
+  - decode tok/s after a 64- and a 1,024-token prompt: 32 greedy tokens, timed from the first to the
+    last (kvlab: the serving engine, LLMEngine; llama.cpp: eval of one token, argmax of its logits)
+  - prefill tok/s at 1,024 tokens: one pass over the prompt (kvlab: one chunk of one request)
+  - peak RSS of the process
+and, for kvlab, the split of a decode step: ms in the matrix products (kernel calls) and in
+everything else (Python, small ops, attention). It prints medians (min–max) and kvlab/llama.cpp
+ratios taken round by round (only same-run ratios
+mean anything on a shared machine). The prompts are the same ids for both: Python standard-library
+source text, tokenized by the GGUF's own vocabulary. Not part of `make test`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_VENV = Path(os.environ.get("LLAMACPP_VENV", Path.home() / ".cache/kvlab-bench/llamacpp"))
+DECODE_CONTEXTS = (64, 1024)
+DECODE_STEPS = 32
+PREFILL = 1024
+
+
+def prompt_ids(model: str, n: int) -> list[int]:
+    """n token ids of real text (this Python's own standard library), by the model's tokenizer."""
+    import inspect
+    import json as json_module
+
+    sys.path.insert(0, str(ROOT))
+    from kvlab.hub import resolve_model
+    from kvlab.tokenizer import Tokenizer
+
+    text = inspect.getsource(json_module.decoder) + inspect.getsource(json_module.encoder)
+    ids = Tokenizer.load(Path(resolve_model(model))).encode(text, add_special_tokens=False)
+    while len(ids) < n:
+        ids = ids + ids
+    return ids[:n]
+
+
+def peak_rss() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+# ---- the two workers: each measures one model in its own process and prints one JSON line -------------
+
+
+def kvlab_worker(model: str, ids: dict[int, list[int]], threads: int) -> dict:
+    sys.path.insert(0, str(ROOT))
+    import torch
+
+    from kvlab import LLM, SamplingParams
+
+    torch.set_num_threads(threads)
+    t = time.perf_counter()
+    llm = LLM(model, threads=threads, max_model_len=2048, max_num_seqs=1, max_num_batched_tokens=2048,
+              enable_prefix_caching=False)  # fmt: skip
+    out = {"load_s": time.perf_counter() - t, "weight_format": llm.loaded.weight_format,
+           "weight_bytes": llm.loaded.weight_bytes}  # fmt: skip
+    engine = llm.engine
+
+    def run(prompt: list[int], max_tokens: int):
+        from kvlab.output.result import RequestOutput
+
+        result = RequestOutput(prompt=None, prompt_token_ids=list(prompt))
+        engine.add_request(prompt, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True), output=result)
+        while engine.has_unfinished_requests:
+            engine.step()
+        return result
+
+    run(ids[64], 4)  # warm-up: kernels loaded, pages touched
+    for context in DECODE_CONTEXTS:
+        m = run(ids[context], DECODE_STEPS + 1).metrics
+        out[f"decode_{context}_tok_s"] = DECODE_STEPS / m.decode_s
+    m = run(ids[PREFILL], 1).metrics
+    out["prefill_tok_s"] = PREFILL / m.prefill_compute_s
+    out.update(step_split(lambda: run(ids[64], DECODE_STEPS + 1)))
+    out["peak_rss"] = peak_rss()
+    return out
+
+
+def step_split(decode) -> dict:
+    """One more decode run with the kernels' product calls timed: ms per step in the matrix products
+    (the GEMV and block kernels, which is where the weight bytes are read) and in everything else."""
+    import time as clock
+
+    from kvlab.kernels import gemv, quant
+
+    spent = [0.0]
+
+    def timed(fn):
+        def call(*args, **kwargs):
+            t = clock.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[0] += clock.perf_counter() - t
+
+        return call
+
+    saved = gemv._gemv, quant.packed_linear
+    gemv._gemv, quant.packed_linear = timed(gemv._gemv), timed(quant.packed_linear)
+    try:
+        m = decode().metrics
+    finally:
+        gemv._gemv, quant.packed_linear = saved
+    step_ms = 1000 * m.decode_s / DECODE_STEPS
+    products_ms = 1000 * spent[0] / (DECODE_STEPS + 1)  # the prefill's products are not kernel calls
+    return {"step_ms": step_ms, "products_ms": products_ms, "rest_ms": step_ms - products_ms}
+
+
+def llamacpp_worker(model: str, ids: dict[int, list[int]], threads: int) -> dict:
+    import numpy as np
+    from llama_cpp import Llama
+
+    sys.path.insert(0, str(ROOT))
+    path = _model_path(model)
+    t = time.perf_counter()
+    llm = Llama(model_path=str(path), n_threads=threads, n_threads_batch=threads, n_ctx=2048, n_batch=1024,
+                n_ubatch=512, logits_all=False, verbose=False)  # fmt: skip
+    out = {"load_s": time.perf_counter() - t}
+    vocab = llm.n_vocab()
+
+    def last_logits():  # the logits of the last evaluated token (llama.cpp computes only those here)
+        return np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(vocab,))
+
+    def decode(prompt: list[int], steps: int) -> float:
+        llm.reset()
+        llm.eval(prompt)
+        token = int(np.argmax(last_logits()))
+        stamps = []
+        for _ in range(steps):
+            llm.eval([token])
+            token = int(np.argmax(last_logits()))
+            stamps.append(time.perf_counter())
+        return (len(stamps) - 1) / (stamps[-1] - stamps[0])
+
+    decode(ids[64], 4)  # warm-up
+    for context in DECODE_CONTEXTS:
+        out[f"decode_{context}_tok_s"] = decode(ids[context], DECODE_STEPS + 1)
+    llm.reset()
+    t = time.perf_counter()
+    llm.eval(ids[PREFILL])
+    int(np.argmax(last_logits()))
+    out["prefill_tok_s"] = PREFILL / (time.perf_counter() - t)
+    out["peak_rss"] = peak_rss()
+    return out
+
+
+def _model_path(model: str) -> Path:
+    from kvlab.hub import resolve_model
+
+    return Path(resolve_model(model))
+
+
+# ---- the orchestrator ---------------------------------------------------------------------------------
+
+
+def spawn(engine: str, model: str, ids_file: Path, threads: int, venv: Path) -> dict:
+    python = sys.executable if engine == "kvlab" else str(venv / "bin" / "python")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": str(threads)}
+    cmd = [python, __file__, "--worker", engine, "--models", model, "--ids", str(ids_file), "--threads", str(threads)]
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
+    if done.returncode != 0:
+        raise SystemExit(f"{engine} worker on {model} failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def summary(xs: list[float]) -> dict:
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "samples": xs}
+
+
+FIGURES = ("decode_64_tok_s", "decode_1024_tok_s", "prefill_tok_s", "load_s", "peak_rss")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", nargs="+", default=["smollm2-135m", "qwen2.5-coder-0.5b"])
+    ap.add_argument("--repeat", type=int, default=3, help="rounds (one process of each engine per model each)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--venv", type=Path, default=DEFAULT_VENV, help="llama-cpp-python's venv (setup_llamacpp.sh)")
+    ap.add_argument("--json", help="also write the results here")
+    ap.add_argument("--worker", choices=["kvlab", "llamacpp"], help=argparse.SUPPRESS)
+    ap.add_argument("--ids", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        ids = {int(k): v for k, v in json.loads(Path(args.ids).read_text()).items()}
+        worker = kvlab_worker if args.worker == "kvlab" else llamacpp_worker
+        print(json.dumps(worker(args.models[0], ids, args.threads)))
+        return 0
+    if not (args.venv / "bin" / "python").exists():
+        raise SystemExit(f"no llama-cpp-python in {args.venv}: run bash benchmarks/setup_llamacpp.sh first")
+    import tempfile
+
+    results = {"command": " ".join(sys.argv), "threads": args.threads, "models": {}}
+    for model in args.models:
+        ids = {n: prompt_ids(model, n) for n in sorted({*DECODE_CONTEXTS, PREFILL})}
+        with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+            json.dump(ids, f)
+        runs = {"kvlab": [], "llamacpp": []}
+        for r in range(args.repeat):
+            order = ("kvlab", "llamacpp") if r % 2 == 0 else ("llamacpp", "kvlab")
+            for engine in order:
+                runs[engine].append(spawn(engine, model, Path(f.name), args.threads, args.venv))
+                print(f"  {model} round {r + 1} {engine}: " + ", ".join(
+                    f"{k} {runs[engine][-1][k]:.3g}" for k in FIGURES), flush=True)  # fmt: skip
+        os.unlink(f.name)
+        entry = {e: {k: summary([run[k] for run in runs[e]]) for k in FIGURES} for e in runs}
+        entry["ratio"] = {k: summary([a[k] / b[k] for a, b in zip(runs["kvlab"], runs["llamacpp"])]) for k in FIGURES}
+        entry["kvlab_weights"] = {"format": runs["kvlab"][0]["weight_format"], "bytes": runs["kvlab"][0]["weight_bytes"]}
+        entry["kvlab_step"] = {k: summary([run[k] for run in runs["kvlab"]]) for k in ("step_ms", "products_ms", "rest_ms")}
+        results["models"][model] = entry
+    print_table(results)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+    return 0
+
+
+def print_table(results: dict) -> None:
+    for model, e in results["models"].items():
+        print(f"\n{model}: kvlab {e['kvlab_weights']['format']} ({e['kvlab_weights']['bytes'] / 1e6:.1f} MB) vs "
+              f"llama.cpp, {results['threads']} threads; medians (min–max) of {len(e['ratio']['load_s']['samples'])}")
+        print(f"{'':20s} {'kvlab':>24s} {'llama.cpp':>24s} {'kvlab / llama.cpp':>22s}")
+        for k in FIGURES:
+            scale, unit = (1e-6, "MB") if k == "peak_rss" else (1, "")
+
+            def cell(d):
+                return f"{d['median'] * scale:8.2f} ({d['min'] * scale:.2f}–{d['max'] * scale:.2f}){unit}"
+
+            r = e["ratio"][k]
+            print(f"{k:20s} {cell(e['kvlab'][k]):>24s} {cell(e['llamacpp'][k]):>24s} "
+                  f"{r['median']:8.2f}× ({r['min']:.2f}–{r['max']:.2f})")  # fmt: skip
+        split = {k: v["median"] for k, v in e["kvlab_step"].items()}
+        print(f"kvlab decode step after 64 tokens: {split['step_ms']:.2f} ms = {split['products_ms']:.2f} ms in the "
+              f"matrix products + {split['rest_ms']:.2f} ms everything else")  # fmt: skip
+
+
+if __name__ == "__main__":
+    sys.exit(main())
