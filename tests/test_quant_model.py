@@ -118,3 +118,21 @@ def test_a_block_type_kvlab_cannot_compute_with_is_named_with_its_tensor(tmp_pat
     with pytest.raises(KvlabError, match=r"blk\.1\.ffn_up\.weight is stored as IQ4_NL.*--dequantize"):
         load_model(tmp_path / "iq.gguf")
     assert load_model(tmp_path / "iq.gguf", dequantize=True).weight_format == "float32"
+
+
+def test_the_servers_memory_plan_plans_the_bytes_the_packed_model_holds(files, native, capsys):
+    from kvlab.cli import build_parser
+    from kvlab.generate_cli import engine_options, open_llm
+    from kvlab.server.cli import print_plan
+
+    _, _, path = files
+    for extra in ([], ["--dequantize"], ["--quantization", "q8_0"]):
+        args = build_parser().parse_args(["serve", str(path), "--kv-memory", "1MiB", "--max-model-len", "256", *extra])
+        options = engine_options(args)
+        _, planned = print_plan(args, options)
+        llm = open_llm(args, **options)
+        if extra == ["--quantization", "q8_0"]:  # the calculator's estimate: vectors counted at 16 bits, ours are 32
+            assert abs(planned - llm.loaded.weight_bytes) < 0.05 * planned
+        else:
+            assert planned == llm.loaded.weight_bytes, extra
+    capsys.readouterr()

@@ -85,7 +85,7 @@ def load_model(
         gguf = GGUFFile(path)
         config = config_from_gguf(gguf)
         architecture = architecture_of(config)
-        native = not dequantize and not quantization and native_blocks_supported(device)
+        native = keeps_blocks(path, device, dequantize, quantization)
         tensors = iter_gguf(gguf, config, architecture.gguf_permuted_qk, native=native)
     else:
         raise KvlabError(f"no such model file or directory: {path}")
@@ -101,6 +101,12 @@ def load_model(
     model.eval()
     return LoadedModel(model=model, config=config, path=path, load_s=time.perf_counter() - start,
                        weight_format=weight_format(model, quantization))  # fmt: skip
+
+
+def keeps_blocks(path: Path, device: torch.device, dequantize: bool = False, quantization: str | None = None) -> bool:
+    """Whether loading `path` keeps its matrices in their stored block formats (a GGUF file, no
+    --dequantize or --quantization, and kernels for blocks on this device)."""
+    return path.is_file() and not dequantize and not quantization and native_blocks_supported(torch.device(device))
 
 
 def native_blocks_supported(device: torch.device) -> bool:

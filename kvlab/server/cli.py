@@ -217,16 +217,18 @@ def print_plan(args, options: dict, file=None):
     from kvlab.config import EngineConfig
     from kvlab.kv.pool_plan import plan_kv_pool
     from kvlab.memory import weight_bytes
-    from kvlab.model.loader import parse_dtype
+    from kvlab.model.loader import keeps_blocks, parse_dtype
 
     file = file or sys.stderr
-    config, _ = read_config(str(args.model))
+    config, path = read_config(str(args.model))
     dtype = parse_dtype(args.dtype)
     plan = plan_kv_pool(EngineConfig(max_model_len=args.max_model_len, **options), config, dtype,
                         torch.device(args.device))  # the engine plans with the same call once loaded
     max_len = plan.max_model_len
     try:
-        weights = weight_bytes(config, fmt=args.dtype).bytes
+        # as the loader will hold them: the file's blocks (exact bytes), blocks made at load, or floats
+        stored = keeps_blocks(path, args.device, args.dequantize, args.quantization)
+        weights = weight_bytes(config, fmt="auto" if stored else args.quantization or args.dtype).bytes
     except KvlabError:
         weights = None
     print(f"kvlab serve {args.model}: memory plan ({args.dtype} on {args.device})", file=file)
