@@ -4,27 +4,126 @@
     packed_linear(x, parts, out)     y [rows, out] float32 = x [rows, in] times every part's blocks
     dequantize(part)                 float32 [rows, in]: for prompt-sized products (then BLAS)
 
-Until the C kernels are built (kvlab/kernels/quant.c), `applies` is False and `dequantize` is the
-reference dequantization of kvlab.quant.formats.
+The kernels (`quant.c`) are compiled into the GEMV's library (`kernels/gemv.py` builds both at first
+use) and share its thread pool. `packed_linear` reads each block once for all rows and writes every
+part of a fused matrix into its own columns of one output. Both kernels compute with exactly the
+reference's weight values (`kvlab.quant.formats`): `dequantize` returns its bits, and a product
+differs from float32 math on the dequantized matrix only in the order of its sums. Where the library
+is not built (no compiler), on another device, or for a format it lacks, `dequantize` is the
+reference and `applies` is False.
 """
 
 from __future__ import annotations
 
+import ctypes
+import functools
+
 import torch
+
+from kvlab.kernels import gemv
+from kvlab.kernels.policy import current
+from kvlab.quant.formats import FORMATS
+
+
+def _library() -> dict[str, object]:
+    """quant.c's bound functions, {} where the library could not be built."""
+    gemv._ensure_loaded()
+    return gemv._quant
+
+
+@functools.cache
+def _format_ids() -> dict[str, int]:
+    """Format name → the C kernels' id, for every format whose block size both sides agree on."""
+    lib = _library()
+    if not lib:
+        return {}
+    ids, values, size = {}, ctypes.c_int(), ctypes.c_int()
+    for i in range(64):
+        name = lib["format"](i, ctypes.byref(values), ctypes.byref(size))
+        if name is None:
+            break
+        fmt = FORMATS.get(name.decode())
+        if fmt is not None and (fmt.block_values, fmt.block_bytes) == (values.value, size.value):
+            ids[fmt.name] = i
+    return ids
 
 
 def available() -> bool:
-    """Whether the C kernels for block formats are built and enabled on this machine."""
-    return False
+    """Whether the C kernels for block formats are built and loaded on this machine."""
+    return bool(_format_ids())
 
 
 def applies(x: torch.Tensor, formats: list[str]) -> bool:
-    return False
+    """Whether packed_linear takes x [rows, in] with parts in `formats`: a decode-sized CPU pass under
+    the thread policy in force, every format one the C kernels know."""
+    if x.device.type != "cpu" or x.dim() != 2 or not current().kernel_sized(x.shape[0]):
+        return False
+    ids = _format_ids()
+    return bool(ids) and all(f in ids for f in formats)
 
 
-def packed_linear(x: torch.Tensor, parts, out_features: int) -> torch.Tensor:
-    raise NotImplementedError("the C kernels for block formats are not built")
+def packed_linear(x: torch.Tensor, parts, out_features: int, threads: int | None = None) -> torch.Tensor:
+    """y [rows, out_features] float32 = x [rows, in] · Wᵀ, W the parts (PackedTensor) stacked by rows.
+
+    Each part is written into its own columns of y. threads: the kernels' pool threads (None: the
+    thread policy in force). No bias: the caller adds it.
+    """
+    ids, lib = _format_ids(), _library()
+    rows, in_features = x.shape
+    threads = _threads(threads)
+    if x.dtype != torch.float32 or not x.is_contiguous():
+        x = x.float().contiguous()
+    if sum(p.shape[0] for p in parts) != out_features:
+        raise ValueError(f"packed_linear: parts of {[p.shape[0] for p in parts]} rows do not make {out_features}")
+    y = torch.empty(rows, out_features)
+    column = 0
+    for part in parts:
+        data = _checked_blocks(part, in_features)
+        if rows and part.shape[0]:
+            status = lib["matmul"](ids[part.fmt], data.data_ptr(), data.stride(0), x.data_ptr(),
+                                   y.data_ptr() + 4 * column, rows, in_features, out_features, part.shape[0],
+                                   threads)  # fmt: skip
+            if status != 0:
+                raise ValueError(f"packed_linear: the C kernel refused a {part.fmt} matrix {list(part.shape)}")
+        column += part.shape[0]
+    return y
 
 
-def dequantize(part) -> torch.Tensor:
-    return part.dequantize()
+def dequantize(part, threads: int | None = None) -> torch.Tensor:
+    """The part's weights as float32 [rows, in], bit for bit the reference dequantization's."""
+    ids = _format_ids()
+    if part.data.device.type != "cpu" or part.fmt not in ids:
+        return part.dequantize()
+    rows, in_features = part.shape
+    data = _checked_blocks(part, in_features)
+    y = torch.empty(rows, in_features)
+    if rows and in_features:
+        status = _library()["dequantize"](ids[part.fmt], data.data_ptr(), data.stride(0), y.data_ptr(),
+                                          in_features, rows, in_features, _threads(threads))  # fmt: skip
+        if status != 0:
+            raise ValueError(f"dequantize: the C kernel refused a {part.fmt} matrix {list(part.shape)}")
+    return y
+
+
+def _threads(threads: int | None) -> int:
+    threads = threads or current().threads
+    if threads < 1:
+        raise ValueError(f"threads must be at least 1, got {threads}")
+    return threads
+
+
+def _checked_blocks(part, in_features: int) -> torch.Tensor:
+    """The part's bytes as the C kernel reads them: uint8 [rows, row bytes], each row contiguous.
+
+    The kernels trust these sizes, so every mismatch is an error here rather than a read out of bounds."""
+    rows, cols = part.shape
+    data = part.data
+    if cols != in_features:
+        raise ValueError(f"a {part.fmt} part of {cols} inputs cannot take x of {in_features}")
+    row_bytes = part.format.row_bytes(cols)  # raises unless rows hold whole blocks
+    if data.dtype != torch.uint8 or data.dim() != 2 or tuple(data.shape) != (rows, row_bytes):
+        raise ValueError(f"a {part.fmt} part {list(part.shape)} needs uint8 [{rows}, {row_bytes}], got "
+                         f"{data.dtype} {list(data.shape)}")  # fmt: skip
+    if data.stride(1) != 1:
+        data = data.contiguous()
+    return data

@@ -1,0 +1,791 @@
+// Products with weights in GGUF block formats, read from the blocks themselves: y[m, o] = sum_i x[m, i] * W[o, i].
+//
+// A decode step is the time to read the weights, and a 4-bit block holds 7x more weights per byte than
+// float32: streaming the blocks instead of an expanded copy is the whole gain. The price is
+// arithmetic: every weight must become a float before it meets an activation (activations stay
+// float32; quantizing them to int8, as llama.cpp does, would change the results). So a work item
+// (ROWS output rows) walks its rows in chunks of CK input values: it expands the chunk's blocks into a
+// small float buffer that stays in L1 (exactly the reference's values), then multiplies that buffer
+// by every activation row with register-tiled FMAs. Each block is read from memory once per call,
+// whatever the number of activation rows.
+//
+// Expanding is the cost that decides one-row speed. With AVX-512 the 4- and 5-bit formats use the
+// codes as indices into a 16- or 32-entry table of the block's float values (one permute per 16
+// weights instead of convert, offset and multiply), and the fifth bits go in through mask registers.
+//
+// Every output value is one thread's sum in one fixed order, the same for any number of threads and
+// any number of activation rows: lane-wise partial sums in two accumulators (even and odd vectors),
+// folded at the end. The dequantize kernel gives the exact bits of the gguf package's numpy
+// arithmetic (products and sums rounded one by one), so its functions are compiled without FMA
+// contraction.
+//
+// Formats (see kvlab/quant/formats.py): byte layouts of ggml's Q8_0, Q4_0, Q4_1, Q5_0, Q4_K, Q5_K,
+// Q6_K, and plain F32, F16 and BF16 rows as blocks of one value.
+
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "pool.h"
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define VL 16  // floats per vector
+#define MT 2   // activation rows per register tile: 4 x 2 x 2 accumulators of 32 registers
+#else
+#define VL 8   // AVX2 (or split by the compiler on narrower machines)
+#define MT 1   // 16 registers: 4 x 1 x 2 accumulators, 4 weight vectors, one activation vector
+#endif
+
+#define ROWS 8       // output rows per work item
+#define TILE 4       // output rows per register tile
+#define CK 256       // input values per chunk: a K-quant super-block, or 8 blocks of 32
+#define MAX_M 32     // activation rows per pass over the weights; more rows take several passes
+#define CHUNK 8      // work items claimed at a time
+#define QK_K 256     // values in a K-quant super-block
+
+typedef float vf __attribute__((vector_size(VL * 4)));
+
+// Every fp16 number as a float32, filled when the library is loaded and read-only after. A block's
+// scale is then two loads and no arithmetic: a scalar conversion chained each block to the last
+// through its merged register (vcvtsh2ss: 3.5x slower Q4_0), and gathering eight scales for one
+// vector conversion cost a third of a one-row product here.
+static float f16_table[1 << 16];
+
+__attribute__((constructor)) static void fill_f16_table(void) {
+    for (uint32_t h = 0; h < 1u << 16; h++) {
+        _Float16 v;
+        uint16_t bits = (uint16_t)h;
+        memcpy(&v, &bits, sizeof v);
+        f16_table[h] = (float)v;
+    }
+}
+
+static inline float half(const uint8_t* p) {  // the fp16 number at p
+    uint16_t h;
+    memcpy(&h, p, sizeof h);
+    return f16_table[h];
+}
+
+static inline float bf16(const uint8_t* p) {  // bfloat16 is the top half of a float32
+    uint16_t h;
+    memcpy(&h, p, sizeof h);
+    uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+// K-quants: 12 bytes hold a 6-bit scale and min for each of 8 groups of 32. Bytes 0-3 carry scales
+// 0-3, bytes 4-7 mins 0-3; groups 4-7 take their low 4 bits from bytes 8-11 (scale in the low
+// nibble, min in the high one) and their top 2 bits from the top of bytes 0-3 and 4-7.
+static inline void k_scales(const uint8_t* s, uint8_t* sc, uint8_t* mn) {
+    for (int j = 0; j < 4; j++) {
+        sc[j] = s[j] & 63;
+        mn[j] = s[j + 4] & 63;
+        sc[j + 4] = (s[j + 8] & 15) | ((s[j] >> 2) & 0x30);
+        mn[j + 4] = (s[j + 8] >> 4) | ((s[j + 4] >> 2) & 0x30);
+    }
+}
+
+// ---- expanding blocks into floats, exactly as the reference does ------------------------------
+// dequant(w, ldw, rows, blocks, out, ldo): `blocks` blocks of each of `rows` rows, row r's starting at
+// w + r·ldw, into out + r·ldo. Products and sums are rounded one at a time, as numpy rounds them.
+
+#if defined(__clang__)
+#pragma STDC FP_CONTRACT OFF  // clang contracts within one expression only; this turns even that off here
+#else
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")
+#endif
+
+typedef void (*DequantFn)(const uint8_t* w, int64_t ldw, int rows, int64_t blocks, float* out, int64_t ldo);
+
+#if defined(__AVX512F__)
+#define IOTA _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)
+#define LOAD16U8(p) _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(p)))  // 16 bytes → 16 int32 lanes
+#define LOW4(v) _mm512_and_si512(v, _mm512_set1_epi32(15))
+#define HIGH4(v) _mm512_srli_epi32(v, 4)
+#define ADD16(v, k) _mm512_mask_or_epi32(v, k, v, _mm512_set1_epi32(16))  // fifth bit set in lanes of mask k
+// value[i] = table[code[i]]: permutes use only the index's low 4 (or 5) bits, so a byte's low nibble
+// needs no masking before a 16-entry lookup
+#define LOOKUP16(codes, table) _mm512_permutexvar_ps(codes, table)
+#define LOOKUP32(codes, lo, hi) _mm512_permutex2var_ps(lo, codes, hi)
+
+// the table of the 32 values a 5-bit group can take, (scale·q) − offset for q = 0..31, rounded as numpy
+static inline void table32(float scale, float offset, __m512* lo, __m512* hi) {
+    __m512 s = _mm512_set1_ps(scale), o = _mm512_set1_ps(offset);
+    *lo = _mm512_sub_ps(_mm512_mul_ps(s, IOTA), o);
+    *hi = _mm512_sub_ps(_mm512_mul_ps(s, _mm512_add_ps(IOTA, _mm512_set1_ps(16))), o);
+}
+#endif
+
+static void dequant_q8_0(const uint8_t* w, int64_t ldw, int rows, int64_t blocks, float* out, int64_t ldo) {
+    for (int r = 0; r < rows; r++)
+        for (int64_t b = 0; b < blocks; b++) {  // 34 bytes: fp16 d, int8 q[32]; w = q·d
+            const uint8_t* p = w + r * ldw + b * 34;
+            float* o = out + r * ldo + b * 32;
+#if defined(__AVX512F__)
+            __m512 d = _mm512_set1_ps(half(p));
+            __m512i q0 = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(p + 2)));
+            __m512i q1 = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(p + 18)));
+            _mm512_storeu_ps(o, _mm512_mul_ps(_mm512_cvtepi32_ps(q0), d));
+            _mm512_storeu_ps(o + 16, _mm512_mul_ps(_mm512_cvtepi32_ps(q1), d));
+#else
+            float d = half(p);
+            for (int j = 0; j < 32; j++) o[j] = (float)(int8_t)p[2 + j] * d;
+#endif
+        }
+}
+
+static void dequant_q4_0(const uint8_t* w, int64_t ldw, int rows, int64_t blocks, float* out, int64_t ldo) {
+    for (int r = 0; r < rows; r++)
+        for (int64_t b = 0; b < blocks; b++) {  // 18 bytes: fp16 d, nibbles (j low, j + 16 high); w = d·(q − 8)
+            const uint8_t* p = w + r * ldw + b * 18;
+            float* o = out + r * ldo + b * 32;
+#if defined(__AVX512F__)
+            __m512 table = _mm512_mul_ps(_mm512_set1_ps(half(p)), _mm512_sub_ps(IOTA, _mm512_set1_ps(8)));
+            __m512i q = LOAD16U8(p + 2);
+            _mm512_storeu_ps(o, LOOKUP16(q, table));
+            _mm512_storeu_ps(o + 16, LOOKUP16(HIGH4(q), table));
+#else
+            float d = half(p);
+            for (int j = 0; j < 16; j++) {
+                o[j] = d * (float)((p[2 + j] & 15) - 8);
+                o[j + 16] = d * (float)((p[2 + j] >> 4) - 8);
+            }
+#endif
+        }
+}
+
+static void dequant_q4_1(const uint8_t* w, int64_t ldw, int rows, int64_t blocks, float* out, int64_t ldo) {
+    for (int r = 0; r < rows; r++)
+        for (int64_t b = 0; b < blocks; b++) {  // 20 bytes: fp16 d, fp16 m, nibbles; w = d·q + m
+            const uint8_t* p = w + r * ldw + b * 20;
+            float* o = out + r * ldo + b * 32;
+#if defined(__AVX512F__)
+            __m512 table = _mm512_add_ps(_mm512_mul_ps(_mm512_set1_ps(half(p)), IOTA), _mm512_set1_ps(half(p + 2)));
+            __m512i q = LOAD16U8(p + 4);
+            _mm512_storeu_ps(o, LOOKUP16(q, table));
+            _mm512_storeu_ps(o + 16, LOOKUP16(HIGH4(q), table));
+#else
+            float d = half(p), m = half(p + 2);
+            for (int j = 0; j < 16; j++) {
+                o[j] = d * (float)(p[4 + j] & 15) + m;
+                o[j + 16] = d * (float)(p[4 + j] >> 4) + m;
+            }
+#endif
+        }
+}
+
+static void dequant_q5_0(const uint8_t* w, int64_t ldw, int rows, int64_t blocks, float* out, int64_t ldo) {
+    for (int r = 0; r < rows; r++)
+        for (int64_t b = 0; b < blocks; b++) {  // 22 bytes: fp16 d, 32 fifth bits (bit j: weight j), nibbles
+            const uint8_t* p = w + r * ldw + b * 22;
+            float* o = out + r * ldo + b * 32;
+            uint32_t qh;
+            memcpy(&qh, p + 2, sizeof qh);
+#if defined(__AVX512F__)
+            __m512 d = _mm512_set1_ps(half(p));  // the table: d·(q − 16) for q = 0..15, then 16..31
+            __m512 lo = _mm512_mul_ps(d, _mm512_sub_ps(IOTA, _mm512_set1_ps(16))), hi = _mm512_mul_ps(d, IOTA);
+            __m512i q = LOAD16U8(p + 6);
+            _mm512_storeu_ps(o, LOOKUP32(ADD16(LOW4(q), (__mmask16)qh), lo, hi));
+            _mm512_storeu_ps(o + 16, LOOKUP32(ADD16(HIGH4(q), (__mmask16)(qh >> 16)), lo, hi));
+#else
+            float d = half(p);
+            for (int j = 0; j < 16; j++) {
+                o[j] = d * (float)((int)((p[6 + j] & 15) | ((qh >> j) & 1) << 4) - 16);
+                o[j + 16] = d * (float)((int)((p[6 + j] >> 4) | ((qh >> (j + 16)) & 1) << 4) - 16);
+            }
+#endif
+        }
+}
+
+static void dequant_q4_k(const uint8_t* w, int64_t ldw, int rows, int64_t blocks, float* out, int64_t ldo) {
+    for (int r = 0; r < rows; r++)
+        for (int64_t b = 0; b < blocks; b++) {  // 144 bytes: fp16 d, dmin, 12 B of scales, 128 B of nibbles
+            const uint8_t *p = w + r * ldw + b * 144, *qs = p + 16;
+            float* o = out + r * ldo + b * QK_K;
+            float d = half(p), dmin = half(p + 2);
+            uint8_t sc[8], mn[8];
+            k_scales(p + 4, sc, mn);
+            for (int g = 0; g < 8; g++) {  // 32 bytes hold group g (g even: low nibbles, odd: high); w = (d·sc)·q − dmin·m
+                float scale = d * (float)sc[g], offset = dmin * (float)mn[g];
+                const uint8_t* c = qs + 32 * (g / 2);
+#if defined(__AVX512F__)
+                __m512 table = _mm512_sub_ps(_mm512_mul_ps(_mm512_set1_ps(scale), IOTA), _mm512_set1_ps(offset));
+                __m512i q0 = LOAD16U8(c), q1 = LOAD16U8(c + 16);
+                if (g & 1) q0 = HIGH4(q0), q1 = HIGH4(q1);
+                _mm512_storeu_ps(o + 32 * g, LOOKUP16(q0, table));
+                _mm512_storeu_ps(o + 32 * g + 16, LOOKUP16(q1, table));
+#else
+                for (int l = 0; l < 32; l++) o[32 * g + l] = scale * (float)((c[l] >> 4 * (g & 1)) & 15) - offset;
+#endif
+            }
+        }
+}
+
+static void dequant_q5_k(const uint8_t* w, int64_t ldw, int rows, int64_t blocks, float* out, int64_t ldo) {
+    for (int r = 0; r < rows; r++)
+        for (int64_t b = 0; b < blocks; b++) {  // 176 bytes: as Q4_K, with 32 B of fifth bits before the nibbles
+            const uint8_t *p = w + r * ldw + b * 176, *qh = p + 16, *qs = p + 48;
+            float* o = out + r * ldo + b * QK_K;
+            float d = half(p), dmin = half(p + 2);
+            uint8_t sc[8], mn[8];
+            k_scales(p + 4, sc, mn);
+#if defined(__AVX512F__)
+            __m512i h0 = LOAD16U8(qh), h1 = LOAD16U8(qh + 16);  // bit g of byte l: weight l of group g
+#endif
+            for (int g = 0; g < 8; g++) {
+                float scale = d * (float)sc[g], offset = dmin * (float)mn[g];
+                const uint8_t* c = qs + 32 * (g / 2);
+#if defined(__AVX512F__)
+                __m512 lo, hi;
+                table32(scale, offset, &lo, &hi);
+                __m512i q0 = LOAD16U8(c), q1 = LOAD16U8(c + 16), bit = _mm512_set1_epi32(1 << g);
+                q0 = g & 1 ? HIGH4(q0) : LOW4(q0), q1 = g & 1 ? HIGH4(q1) : LOW4(q1);
+                q0 = ADD16(q0, _mm512_test_epi32_mask(h0, bit)), q1 = ADD16(q1, _mm512_test_epi32_mask(h1, bit));
+                _mm512_storeu_ps(o + 32 * g, LOOKUP32(q0, lo, hi));
+                _mm512_storeu_ps(o + 32 * g + 16, LOOKUP32(q1, lo, hi));
+#else
+                for (int l = 0; l < 32; l++) {
+                    int q = ((c[l] >> 4 * (g & 1)) & 15) | ((qh[l] >> g) & 1) << 4;
+                    o[32 * g + l] = scale * (float)q - offset;
+                }
+#endif
+            }
+        }
+}
+
+// Q6_K, 210 bytes: 128 B of low nibbles, 64 B of 2-bit high parts, 16 int8 scales (groups of 16), fp16 d.
+// Weight 128h + 32t + l: low nibble t / 2 of ql[64h + 32(t % 2) + l], high bits t of qh[32h + l];
+// w = (d·sc)·(q − 32).
+static void dequant_q6_k(const uint8_t* w, int64_t ldw, int rows, int64_t blocks, float* out, int64_t ldo) {
+    for (int r = 0; r < rows; r++)
+        for (int64_t b = 0; b < blocks; b++) {
+            const uint8_t* p = w + r * ldw + b * 210;
+            const int8_t* scales = (const int8_t*)(p + 192);
+            float* o = out + r * ldo + b * QK_K;
+            float d = half(p + 208);
+            for (int h = 0; h < 2; h++) {
+                const uint8_t *ql = p + 64 * h, *qh = p + 128 + 32 * h;
+#if defined(__AVX512F__)
+                __m512i high[2] = {LOAD16U8(qh), LOAD16U8(qh + 16)};
+                for (int t = 0; t < 4; t++)
+                    for (int s = 0; s < 2; s++) {  // lanes l = 16s .. 16s + 15: one scale
+                        __m512i low = LOAD16U8(ql + 32 * (t & 1) + 16 * s);
+                        low = t < 2 ? LOW4(low) : HIGH4(low);
+                        __m512i top = _mm512_and_si512(_mm512_srli_epi32(high[s], 2 * t), _mm512_set1_epi32(3));
+                        __m512i q = _mm512_sub_epi32(_mm512_or_si512(low, _mm512_slli_epi32(top, 4)), _mm512_set1_epi32(32));
+                        __m512 scale = _mm512_set1_ps(d * (float)scales[8 * h + 2 * t + s]);
+                        _mm512_storeu_ps(o + 128 * h + 32 * t + 16 * s, _mm512_mul_ps(scale, _mm512_cvtepi32_ps(q)));
+                    }
+#else
+                for (int t = 0; t < 4; t++)
+                    for (int l = 0; l < 32; l++) {
+                        int q = ((ql[32 * (t & 1) + l] >> 4 * (t / 2)) & 15) | ((qh[l] >> 2 * t) & 3) << 4;
+                        float scale = d * (float)scales[8 * h + 2 * t + l / 16];
+                        o[128 * h + 32 * t + l] = scale * (float)(q - 32);
+                    }
+#endif
+            }
+        }
+}
+
+// plain rows: a "block" is one value
+static void dequant_f32(const uint8_t* w, int64_t ldw, int rows, int64_t n, float* out, int64_t ldo) {
+    for (int r = 0; r < rows; r++) memcpy(out + r * ldo, w + r * ldw, n * sizeof(float));
+}
+
+static void dequant_f16(const uint8_t* w, int64_t ldw, int rows, int64_t n, float* out, int64_t ldo) {
+    for (int r = 0; r < rows; r++) {
+        const uint8_t* p = w + r * ldw;
+        float* o = out + r * ldo;
+        int64_t i = 0;
+#if defined(__AVX512F__)
+        for (; i + 16 <= n; i += 16) _mm512_storeu_ps(o + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(p + 2 * i))));
+#endif
+        for (; i < n; i++) o[i] = half(p + 2 * i);
+    }
+}
+
+static void dequant_bf16(const uint8_t* w, int64_t ldw, int rows, int64_t n, float* out, int64_t ldo) {
+    for (int r = 0; r < rows; r++) {
+        const uint8_t* p = w + r * ldw;
+        float* o = out + r * ldo;
+        int64_t i = 0;
+#if defined(__AVX512F__)
+        for (; i + 16 <= n; i += 16) {
+            __m512i v = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(p + 2 * i)));
+            _mm512_storeu_ps(o + i, _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)));
+        }
+#endif
+        for (; i < n; i++) o[i] = bf16(p + 2 * i);
+    }
+}
+
+#if defined(__clang__)
+#pragma STDC FP_CONTRACT ON
+#else
+#pragma GCC pop_options
+#endif
+
+enum { F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q4_K, Q5_K, Q6_K };  // FORMATS' order
+
+typedef struct {
+    const char* name;  // the GGML type name, as kvlab/quant/formats.py spells it
+    int values, bytes;  // per block
+    DequantFn dequant;
+} Format;
+
+// The ids are the Python side's (it reads them back with kvlab_quant_format)
+static const Format FORMATS[] = {
+    {"F32", 1, 4, dequant_f32},       {"F16", 1, 2, dequant_f16},       {"BF16", 1, 2, dequant_bf16},
+    {"Q8_0", 32, 34, dequant_q8_0},   {"Q4_0", 32, 18, dequant_q4_0},   {"Q4_1", 32, 20, dequant_q4_1},
+    {"Q5_0", 32, 22, dequant_q5_0},   {"Q4_K", QK_K, 144, dequant_q4_k}, {"Q5_K", QK_K, 176, dequant_q5_k},
+    {"Q6_K", QK_K, 210, dequant_q6_k},
+};
+#define NUM_FORMATS (int)(sizeof FORMATS / sizeof FORMATS[0])
+
+// Format `id`'s name and block size; NULL past the last one.
+const char* kvlab_quant_format(int id, int* values, int* bytes) {
+    if (id < 0 || id >= NUM_FORMATS) return NULL;
+    *values = FORMATS[id].values, *bytes = FORMATS[id].bytes;
+    return FORMATS[id].name;
+}
+
+// ---- the product ------------------------------------------------------------------------------
+// Work item b is output rows ROWS·b .. ROWS·b + ROWS − 1 against every activation row. The last item
+// may have fewer rows; it computes its last row in the missing places and drops those sums.
+
+typedef struct {
+    int fmt;
+    const uint8_t* w;   // the blocks of output row 0
+    int64_t ldw;        // bytes from one output row's blocks to the next
+    const float* x;     // [m, n], in the lane order of the format's decoder (see to_lane_order)
+    float* y;           // [m, ·] with row stride ldy
+    int64_t m, n, ldy, out;
+} Product;
+
+static inline vf load(const float* p) {
+    vf v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+// The sums of ROWS accumulator vectors, each folded in one fixed order: lane i + lane i + VL/2, then
+// i + VL/4, ... Only the order matters for the bits, so the AVX-512 version folds four at once with
+// shuffles (a scalar fold per output cost as much as a 16-row product's FMAs).
+static inline void hsum4(const vf* v, float* sums) {
+#if defined(__AVX512F__)
+    __m512 a = (__m512)v[0], b = (__m512)v[1], c = (__m512)v[2], d = (__m512)v[3];
+    // [a0 + a2, a1 + a3, b0 + b2, b1 + b3] in 128-bit quarters: lane i + lane i + 8 of a, then of b
+    __m512 ab = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
+    __m512 cd = _mm512_add_ps(_mm512_shuffle_f32x4(c, d, 0x44), _mm512_shuffle_f32x4(c, d, 0xEE));
+    // quarter k: output k's lanes i + i + 4
+    __m512 s = _mm512_add_ps(_mm512_shuffle_f32x4(ab, cd, 0x88), _mm512_shuffle_f32x4(ab, cd, 0xDD));
+    s = _mm512_add_ps(s, _mm512_permute_ps(s, 0x4E));  // i + i + 2
+    s = _mm512_add_ps(s, _mm512_permute_ps(s, 0xB1));  // i + i + 1
+    float all[16];
+    _mm512_storeu_ps(all, s);
+    for (int k = 0; k < 4; k++) sums[k] = all[4 * k];
+#else
+    for (int k = 0; k < 4; k++) {
+        float a[VL];
+        memcpy(a, &v[k], sizeof a);
+        for (int width = VL / 2; width > 0; width /= 2)
+            for (int i = 0; i < width; i++) a[i] += a[i + width];
+        sums[k] = a[0];
+    }
+#endif
+}
+
+// Every sum has two accumulators, one for the even vectors of a row and one for the odd ones: with a
+// single chain of dependent FMAs per sum the FMA units waited on their own latency (measured: 1.5x
+// slower one-row products, even with eight sums in flight). The two are added, then folded, at the end.
+// Each sum sees the same operations in the same order whatever the number of rows, so a row's result
+// does not depend on the batch it came in.
+
+// acc[(i·ROWS + r)·2 + k] += wb[r·CK + j] · x[i·ldx + j] over the chunk's whole vectors (k: the parity of
+// j / VL), for M activation rows and TILE weight rows
+#define DEFINE_TILE(NAME, M)                                                                        \
+    static __attribute__((noinline)) void NAME(const float* wb, const float* x, int64_t ldx, int64_t len, \
+                                               vf* saved) {                                         \
+        vf acc[M][TILE][2];                                                                         \
+        for (int i = 0; i < M * TILE * 2; i++)                                                      \
+            acc[i / (2 * TILE)][i / 2 % TILE][i % 2] = saved[(i / (2 * TILE) * ROWS + i / 2 % TILE) * 2 + i % 2]; \
+        int64_t j = 0;                                                                              \
+        for (; j + 2 * VL <= len; j += 2 * VL) {                                                    \
+            STEP(M, 0, j)                                                                           \
+            STEP(M, 1, j + VL)                                                                      \
+        }                                                                                           \
+        if (j + VL <= len) STEP(M, 0, j)                                                            \
+        for (int i = 0; i < M * TILE * 2; i++)                                                      \
+            saved[(i / (2 * TILE) * ROWS + i / 2 % TILE) * 2 + i % 2] = acc[i / (2 * TILE)][i / 2 % TILE][i % 2]; \
+    }
+#define STEP(M, k, at)                                                                              \
+    {                                                                                               \
+        vf w0 = load(wb + (at)), w1 = load(wb + CK + (at)), w2 = load(wb + 2 * CK + (at)), w3 = load(wb + 3 * CK + (at)); \
+        for (int i = 0; i < M; i++) {                                                               \
+            vf xv = load(x + i * ldx + (at));                                                       \
+            acc[i][0][k] += w0 * xv, acc[i][1][k] += w1 * xv, acc[i][2][k] += w2 * xv, acc[i][3][k] += w3 * xv; \
+        }                                                                                           \
+    }
+
+DEFINE_TILE(tile_1, 1)
+#if MT == 2
+DEFINE_TILE(tile_2, 2)
+static void (*const TILES[MT])(const float*, const float*, int64_t, int64_t, vf*) = {tile_1, tile_2};
+#else
+static void (*const TILES[MT])(const float*, const float*, int64_t, int64_t, vf*) = {tile_1};
+#endif
+
+// The chunk's float weights (row r at wb + r·CK, len values) times every activation row.
+static void multiply_chunk(const float* wb, const float* x, int64_t ldx, int64_t m, int64_t len, vf* acc) {
+    for (int h = 0; h < ROWS; h += TILE)
+        for (int64_t i = 0; i < m; i += MT)
+            TILES[(m - i < MT ? m - i : MT) - 1](wb + h * CK, x + i * ldx, ldx, len, acc + (i * ROWS + h) * 2);
+}
+
+static void finish_item(const Product* p, int64_t o0, int rows, const vf* acc, const float* tail) {
+    for (int64_t i = 0; i < p->m; i++) {
+        vf both[ROWS];
+        float sums[ROWS];
+        for (int r = 0; r < ROWS; r++) both[r] = acc[(i * ROWS + r) * 2] + acc[(i * ROWS + r) * 2 + 1];
+        for (int h = 0; h < ROWS; h += TILE) hsum4(both + h, sums + h);
+        for (int r = 0; r < rows; r++) p->y[i * p->ldy + o0 + r] = sums[r] + (tail ? tail[i * ROWS + r] : 0.0f);
+    }
+}
+
+// Every format, any machine: each chunk expanded in order by the exact dequantizer, then tiled.
+static void buffered_items(void* ctx, uint32_t begin, uint32_t end) {
+    const Product p = *(const Product*)ctx;
+    const Format* f = &FORMATS[p.fmt];
+    float wb[ROWS * CK] __attribute__((aligned(64)));  // the chunk's weights as floats: L1-resident
+    vf acc[MAX_M * ROWS * 2];
+    float tail[MAX_M * ROWS];  // plain rows whose length is no multiple of VL: the last values, in order
+    for (int64_t item = begin; item < end; item++) {
+        const int64_t o0 = item * ROWS;
+        const int rows = p.out - o0 < ROWS ? (int)(p.out - o0) : ROWS;
+        if (rows < ROWS) memset(wb + rows * CK, 0, (ROWS - rows) * CK * sizeof(float));
+        memset(acc, 0, p.m * ROWS * 2 * sizeof acc[0]);
+        memset(tail, 0, p.m * ROWS * sizeof tail[0]);
+        for (int64_t c = 0; c < p.n; c += CK) {
+            const int64_t len = p.n - c < CK ? p.n - c : CK;
+            f->dequant(p.w + o0 * p.ldw + c / f->values * f->bytes, p.ldw, rows, len / f->values, wb, CK);
+            multiply_chunk(wb, p.x + c, p.n, p.m, len, acc);
+            for (int64_t j = len / VL * VL; j < len; j++)
+                for (int64_t i = 0; i < p.m; i++)
+                    for (int r = 0; r < ROWS; r++) tail[i * ROWS + r] += wb[r * CK + j] * p.x[i * p.n + c + j];
+        }
+        finish_item(&p, o0, rows, acc, tail);
+    }
+}
+
+// ---- AVX-512: the product straight from the blocks -------------------------------------------
+// A 4-bit code needs no widening before a lookup: vpermps reads only an index's low 4 bits. So 16
+// bytes of codes are broadcast to the four 128-bit quarters of a register (a plain load) and each
+// quarter shifted by its own amount (vpsrlvd): lane L then holds, in its low bits, a code of byte
+// 4·(L % 4) + L / 4. That fixed 4 x 4 transpose of every 16 weights ("lane order") is undone on the
+// activations instead, once per call (to_lane_order), and the decoders keep the shuffle port for the
+// table lookups. Fifth (and Q6_K's fifth and sixth) bits reach bit 4 by a per-lane rotation.
+//
+// Every weight decoded here is the reference's value exactly: each is d·q, (d·sc)·q − dmin·m, d·q + m
+// or (d·sc)·(q − 32) of an fp16 scale and small integers, products that float32 holds without
+// rounding, then at most the one rounding of the reference's add.
+//
+// Up to 4 activation rows, a work item decodes each block into registers and multiplies it at once
+// (fused); more rows, it stores each chunk's weights to an L1 buffer once and tiles over the rows.
+// Both paths make the same FMAs in the same order for every (row, output).
+
+#if defined(__AVX512F__) && defined(__AVX512VL__)
+#if !defined(__clang__)
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")
+#endif
+
+static const int32_t LANE_BYTE[16] = {0, 0, 0, 0, 8, 8, 8, 8, 16, 16, 16, 16, 24, 24, 24, 24};  // 8·(L / 4)
+#define BYTE_SHIFT _mm512_loadu_si512(LANE_BYTE)
+#define BCAST16(p) _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)(p)))
+#define NIBBLE_SHIFT(nibble) _mm512_add_epi32(BYTE_SHIFT, _mm512_set1_epi32(4 * (nibble)))
+#define CODES(bytes, nibble) _mm512_srlv_epi32(bytes, NIBBLE_SHIFT(nibble))
+// lane L's rotation that brings bit k of byte 4·(L % 4) + L / 4 (within its dword) to bit 4
+#define BIT4_ROTATION(k) _mm512_add_epi32(BYTE_SHIFT, _mm512_set1_epi32(((k) + 28) & 31))
+#define LOW4_THEN(a, b) _mm512_ternarylogic_epi32(a, b, _mm512_set1_epi32(15), 0xE4)  // a's bits 0-3, b's above
+
+static inline void to_lane_order(const float* x, float* xt, int64_t count) {  // count: a multiple of 16
+    const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    for (int64_t i = 0; i < count; i += 16) _mm512_storeu_ps(xt + i, _mm512_permutexvar_ps(order, _mm512_loadu_ps(x + i)));
+}
+
+static inline int in_lane_order(int fmt) { return fmt >= Q4_0 && fmt <= Q6_K; }
+
+// K-quants: per chunk (one super-block), for each row r, what its decoders share: s[r][u] = d·sc and
+// s[r][8 + u] = dmin·m of group u (Q4_K, Q5_K); s[r][g] = d·sc and s[r][16 + g] = 32·d·sc of group g of
+// 16 (Q6_K).
+static inline void chunk_scales(int fmt, const int R, const uint8_t* const* row, int64_t c, float (*s)[32]) {
+    const Format* f = &FORMATS[fmt];
+    for (int r = 0; r < R; r++) {
+        const uint8_t* p = row[r] + c / QK_K * f->bytes;
+        if (fmt == Q6_K) {
+            __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(p + 192))));
+            __m512 scale = _mm512_mul_ps(_mm512_set1_ps(half(p + 208)), sc);
+            _mm512_storeu_ps(s[r], scale);
+            _mm512_storeu_ps(s[r] + 16, _mm512_mul_ps(scale, _mm512_set1_ps(32)));
+            continue;
+        }
+        // k_scales on the words a, b, c of bytes 4-15, in one register: lanes [a, c, b, c] and [a, a, b, b] give
+        // [a & 63s, (c & 15s) | (a >> 2 & 48s), b & 63s, (c >> 4 & 15s) | (b >> 2 & 48s)]: scales 0-3, 4-7, mins 0-3, 4-7
+        __m128i v = _mm_loadu_si128((const __m128i*)(p + 4));
+        __m128i low = _mm_srlv_epi32(_mm_shuffle_epi32(v, 0x98), _mm_setr_epi32(0, 0, 0, 4));
+        __m128i top = _mm_and_si128(_mm_srli_epi32(_mm_shuffle_epi32(v, 0x50), 2), _mm_setr_epi32(0, 0x30303030, 0, 0x30303030));
+        __m128i sc = _mm_ternarylogic_epi32(low, _mm_setr_epi32(0x3F3F3F3F, 0x0F0F0F0F, 0x3F3F3F3F, 0x0F0F0F0F), top, 0xEA);
+        __m512 q = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(sc));
+        __m512 d = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(half(p)), _mm512_set1_ps(half(p + 2)));
+        _mm512_storeu_ps(s[r], _mm512_mul_ps(d, q));  // d·sc for groups 0-7, dmin·m in 8-15
+    }
+}
+
+// Unit u of a chunk starting at value c: weights c + 32u .. + 31 as two vectors (lane order, Q8_0 in order)
+// A K-quant unit's shifts depend on the unit, not the row: made once per unit for all rows.
+typedef struct {
+    __m512i codes, bits;  // the per-lane shifts to the unit's nibbles, the rotations of its high bits to bit 4
+} UnitShifts;
+
+static inline UnitShifts unit_shifts(int fmt, int u) {
+    UnitShifts k = {NIBBLE_SHIFT(u & 1), BIT4_ROTATION(u)};  // Q4_K, Q5_K: group u
+    if (fmt == Q6_K) k.codes = NIBBLE_SHIFT((u % 4) >> 1), k.bits = BIT4_ROTATION(2 * (u % 4));
+    return k;
+}
+
+static inline void decode(int fmt, const uint8_t* row, int64_t c, int u, const float* s, const UnitShifts* k, __m512* w) {
+    const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512 sixteen = _mm512_set1_ps(16);
+    const Format* f = &FORMATS[fmt];
+    const uint8_t* p = f->values == 32 ? row + (c / 32 + u) * f->bytes : row + c / QK_K * f->bytes;
+    __m512 table, hi_table;
+    switch (fmt) {
+    case Q8_0: {
+        __m512 d = _mm512_set1_ps(half(p));
+        w[0] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(p + 2)))), d);
+        w[1] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(p + 18)))), d);
+        return;
+    }
+    case Q4_0:
+    case Q4_1: {  // d·(q − 8), or d·q + m: 16 values
+        __m512i bytes = BCAST16(p + (fmt == Q4_0 ? 2 : 4));
+        __m512 d = _mm512_set1_ps(half(p));
+        table = fmt == Q4_0 ? _mm512_mul_ps(d, _mm512_sub_ps(iota, _mm512_set1_ps(8)))
+                            : _mm512_fmadd_ps(d, iota, _mm512_set1_ps(half(p + 2)));  // d·q is exact: one rounding either way
+        w[0] = _mm512_permutexvar_ps(CODES(bytes, 0), table);
+        w[1] = _mm512_permutexvar_ps(CODES(bytes, 1), table);
+        return;
+    }
+    case Q5_0: {  // d·(q − 16): 32 values, q's fifth bit j from the 32-bit field
+        __m512i bytes = BCAST16(p + 6), high;
+        uint32_t qh;
+        memcpy(&qh, p + 2, sizeof qh);
+        high = _mm512_set1_epi32((int)qh);
+        __m512 d = _mm512_set1_ps(half(p));
+        table = _mm512_mul_ps(d, _mm512_sub_ps(iota, sixteen)), hi_table = _mm512_mul_ps(d, iota);
+        // weight j = 4·(L % 4) + L / 4 of each half: bit j (or 16 + j) of qh, rotated to bit 4
+        const __m512i j = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+        __m512i bit0 = _mm512_rorv_epi32(high, _mm512_add_epi32(j, _mm512_set1_epi32(28)));
+        __m512i bit1 = _mm512_rorv_epi32(high, _mm512_add_epi32(j, _mm512_set1_epi32(12)));
+        w[0] = _mm512_permutex2var_ps(table, LOW4_THEN(CODES(bytes, 0), bit0), hi_table);
+        w[1] = _mm512_permutex2var_ps(table, LOW4_THEN(CODES(bytes, 1), bit1), hi_table);
+        return;
+    }
+    case Q4_K:
+    case Q5_K: {  // group u: (d·sc)·q − dmin·m; codes in the low (u even) or high nibbles of 32 bytes
+        const uint8_t* codes = p + (fmt == Q4_K ? 16 : 48) + 32 * (u / 2);
+        __m512 scale = _mm512_set1_ps(s[u]), offset = _mm512_set1_ps(s[8 + u]);
+        __m512i lo = _mm512_srlv_epi32(BCAST16(codes), k->codes), hi = _mm512_srlv_epi32(BCAST16(codes + 16), k->codes);
+        table = _mm512_fmsub_ps(scale, iota, offset);  // (d·sc)·q is exact: one rounding either way
+        if (fmt == Q4_K) {
+            w[0] = _mm512_permutexvar_ps(lo, table);
+            w[1] = _mm512_permutexvar_ps(hi, table);
+            return;
+        }
+        hi_table = _mm512_fmsub_ps(scale, _mm512_add_ps(iota, sixteen), offset);
+        // the fifth bit of weight l of group u: bit u of byte l of the 32 bytes at p + 16
+        w[0] = _mm512_permutex2var_ps(table, LOW4_THEN(lo, _mm512_rorv_epi32(BCAST16(p + 16), k->bits)), hi_table);
+        w[1] = _mm512_permutex2var_ps(table, LOW4_THEN(hi, _mm512_rorv_epi32(BCAST16(p + 32), k->bits)), hi_table);
+        return;
+    }
+    default: {  // Q6_K, unit u = 4h + t: low nibble t / 2 of ql[64h + 32(t % 2) + l], bits 2t of qh[32h + l]
+        const int h = u / 4, t = u % 4;
+        const uint8_t *ql = p + 64 * h + 32 * (t & 1), *qh = p + 128 + 32 * h;
+        for (int half = 0; half < 2; half++) {  // weights l = 16·half .. + 15: one scale
+            __m512i low = _mm512_srlv_epi32(BCAST16(ql + 16 * half), k->codes);
+            __m512i top = _mm512_and_si512(_mm512_rorv_epi32(BCAST16(qh + 16 * half), k->bits), _mm512_set1_epi32(0x30));
+            __m512 q = _mm512_cvtepi32_ps(LOW4_THEN(low, top));
+            // (d·sc)·(q − 32) = (d·sc)·q − 32·(d·sc): both exact, so the one rounding of the FMA is the reference's
+            w[half] = _mm512_fmsub_ps(_mm512_set1_ps(s[2 * u + half]), q, _mm512_set1_ps(s[16 + 2 * u + half]));
+        }
+        return;
+    }
+    }
+}
+
+// M ≤ 4 activation rows: every unit of R rows decoded into registers and multiplied at once, with
+// R·M·2 = 16 accumulators (R = 8 rows for one activation row, 4 for two, 2 for three or four).
+static inline __attribute__((always_inline)) void fused_rows(int fmt, const int M, const int R, const Product* p,
+                                                             const uint8_t* const* row, vf* out) {
+    __m512 acc[ROWS][4][2];
+    for (int r = 0; r < R; r++)
+        for (int i = 0; i < M; i++) acc[r][i][0] = acc[r][i][1] = _mm512_setzero_ps();
+    float s[ROWS][32] __attribute__((aligned(64)));
+    for (int64_t c = 0; c < p->n; c += CK) {
+        const int units = (int)((p->n - c < CK ? p->n - c : CK) / 32);
+        if (FORMATS[fmt].values == QK_K) chunk_scales(fmt, R, row, c, s);
+        for (int u = 0; u < units; u++) {
+            const UnitShifts shifts = unit_shifts(fmt, u);
+            __m512 x[4][2];
+            for (int i = 0; i < M; i++)
+                x[i][0] = _mm512_loadu_ps(p->x + i * p->n + c + 32 * u), x[i][1] = _mm512_loadu_ps(p->x + i * p->n + c + 32 * u + 16);
+            // unrolled, so that the accumulators stay in registers (GCC kept Q6_K's long body rolled, the
+            // accumulators in memory: 2x slower)
+#pragma GCC unroll 8
+            for (int r = 0; r < R; r++) {
+                __m512 w[2];
+                decode(fmt, row[r], c, u, s[r], &shifts, w);
+#pragma GCC unroll 4
+                for (int i = 0; i < M; i++) {
+                    acc[r][i][0] = _mm512_fmadd_ps(w[0], x[i][0], acc[r][i][0]);
+                    acc[r][i][1] = _mm512_fmadd_ps(w[1], x[i][1], acc[r][i][1]);
+                }
+            }
+        }
+    }
+    for (int i = 0; i < M; i++)
+        for (int r = 0; r < R; r++) out[(i * ROWS + r) * 2] = (vf)acc[r][i][0], out[(i * ROWS + r) * 2 + 1] = (vf)acc[r][i][1];
+}
+
+static inline __attribute__((always_inline)) void fused_item(int fmt, const int M, const Product* p, int64_t o0, int rows) {
+    const uint8_t* row[ROWS];
+    for (int r = 0; r < ROWS; r++) row[r] = p->w + (o0 + (r < rows ? r : rows - 1)) * p->ldw;
+    vf acc[4 * ROWS * 2];
+    const int R = M == 1 ? 8 : M == 2 ? 4 : 2;
+    for (int h = 0; h < ROWS; h += R) fused_rows(fmt, M, R, p, row + h, acc + 2 * h);
+    Product one = *p;
+    one.m = M;
+    finish_item(&one, o0, rows, acc, NULL);
+}
+
+// more rows: each chunk decoded once into an L1 buffer, then tiled over the rows
+static inline __attribute__((always_inline)) void stored_item(int fmt, const Product* p, int64_t o0, int rows) {
+    const uint8_t* row[ROWS];
+    for (int r = 0; r < ROWS; r++) row[r] = p->w + (o0 + (r < rows ? r : rows - 1)) * p->ldw;
+    float wb[ROWS * CK] __attribute__((aligned(64)));
+    float s[ROWS][32] __attribute__((aligned(64)));
+    vf acc[MAX_M * ROWS * 2];
+    memset(acc, 0, p->m * ROWS * 2 * sizeof acc[0]);
+    for (int64_t c = 0; c < p->n; c += CK) {
+        const int64_t len = p->n - c < CK ? p->n - c : CK;
+        if (FORMATS[fmt].values == QK_K) chunk_scales(fmt, ROWS, row, c, s);
+        for (int r = 0; r < ROWS; r++) {
+            for (int u = 0; u < len / 32; u++) {
+                const UnitShifts shifts = unit_shifts(fmt, u);
+                __m512 w[2];
+                decode(fmt, row[r], c, u, s[r], &shifts, w);
+                _mm512_store_ps(wb + r * CK + 32 * u, w[0]);
+                _mm512_store_ps(wb + r * CK + 32 * u + 16, w[1]);
+            }
+        }
+        multiply_chunk(wb, p->x + c, p->n, p->m, len, acc);
+    }
+    finish_item(p, o0, rows, acc, NULL);
+}
+
+#define DEFINE_BLOCK_ITEMS(NAME, FMT)                                                 \
+    static void NAME(void* ctx, uint32_t begin, uint32_t end) {                       \
+        const Product* p = ctx;                                                       \
+        for (int64_t item = begin; item < end; item++) {                              \
+            const int64_t o0 = item * ROWS;                                           \
+            const int rows = p->out - o0 < ROWS ? (int)(p->out - o0) : ROWS;          \
+            switch (p->m) {                                                           \
+            case 1: fused_item(FMT, 1, p, o0, rows); break;                           \
+            case 2: fused_item(FMT, 2, p, o0, rows); break;                           \
+            case 3: fused_item(FMT, 3, p, o0, rows); break;                           \
+            case 4: fused_item(FMT, 4, p, o0, rows); break;                           \
+            default: stored_item(FMT, p, o0, rows);                                   \
+            }                                                                         \
+        }                                                                             \
+    }
+
+DEFINE_BLOCK_ITEMS(items_q8_0, Q8_0)
+DEFINE_BLOCK_ITEMS(items_q4_0, Q4_0)
+DEFINE_BLOCK_ITEMS(items_q4_1, Q4_1)
+DEFINE_BLOCK_ITEMS(items_q5_0, Q5_0)
+DEFINE_BLOCK_ITEMS(items_q4_k, Q4_K)
+DEFINE_BLOCK_ITEMS(items_q5_k, Q5_K)
+DEFINE_BLOCK_ITEMS(items_q6_k, Q6_K)
+
+static PoolTask block_items(int fmt) {
+    switch (fmt) {
+    case Q8_0: return items_q8_0;
+    case Q4_0: return items_q4_0;
+    case Q4_1: return items_q4_1;
+    case Q5_0: return items_q5_0;
+    case Q4_K: return items_q4_k;
+    case Q5_K: return items_q5_k;
+    case Q6_K: return items_q6_k;
+    default: return NULL;
+    }
+}
+
+#if !defined(__clang__)
+#pragma GCC pop_options
+#endif
+#else
+static PoolTask block_items(int fmt) { (void)fmt; return NULL; }
+static inline int in_lane_order(int fmt) { (void)fmt; return 0; }
+static inline void to_lane_order(const float* x, float* xt, int64_t count) { (void)x, (void)xt, (void)count; }
+#endif
+
+// y[i, o] (row stride ldy) = sum_j x[i, j] · W[o, j]; W: `out` rows of format `fmt`, row o's blocks at
+// w + o·ldw; x: [m, n] float32. Returns 0; −1 for an unknown format or n not a whole number of blocks;
+// −2 when no memory was left for the activations in lane order.
+int kvlab_quant_matmul(int fmt, const uint8_t* w, int64_t ldw, const float* x, float* y, int64_t m, int64_t n,
+                       int64_t ldy, int64_t out, int threads) {
+    if (fmt < 0 || fmt >= NUM_FORMATS || n % FORMATS[fmt].values || out / ROWS >= UINT32_MAX) return -1;
+    PoolTask task = block_items(fmt);
+    float* xt = NULL;
+    if (task && in_lane_order(fmt)) {
+        if (!(xt = malloc(m * n * sizeof(float) + 64))) return -2;
+        to_lane_order(x, xt, m * n);
+        x = xt;
+    }
+    for (int64_t i = 0; i < m; i += MAX_M) {  // each pass reads the blocks once for up to MAX_M rows
+        Product p = {fmt, w, ldw, x + i * n, y + i * ldy, m - i < MAX_M ? m - i : MAX_M, n, ldy, out};
+        kvlab_pool_run(task ? task : buffered_items, &p, (uint32_t)((out + ROWS - 1) / ROWS), CHUNK, threads);
+    }
+    free(xt);
+    return 0;
+}
+
+// ---- dequantize: the blocks as float32 [rows, n] (row stride ldy), for prompt-sized products ----
+
+typedef struct {
+    const Format* f;
+    const uint8_t* w;
+    int64_t ldw;
+    float* y;
+    int64_t ldy, rows, n;
+} Expansion;
+
+static void expand_items(void* ctx, uint32_t begin, uint32_t end) {  // item b: rows ROWS·b ..
+    const Expansion e = *(const Expansion*)ctx;
+    for (int64_t r = (int64_t)begin * ROWS; r < (int64_t)end * ROWS && r < e.rows; r += ROWS) {
+        int rows = e.rows - r < ROWS ? (int)(e.rows - r) : ROWS;
+        e.f->dequant(e.w + r * e.ldw, e.ldw, rows, e.n / e.f->values, e.y + r * e.ldy, e.ldy);
+    }
+}
+
+int kvlab_quant_dequantize(int fmt, const uint8_t* w, int64_t ldw, float* y, int64_t ldy, int64_t rows, int64_t n,
+                           int threads) {
+    if (fmt < 0 || fmt >= NUM_FORMATS || n % FORMATS[fmt].values || rows / ROWS >= UINT32_MAX) return -1;
+    Expansion e = {&FORMATS[fmt], w, ldw, y, ldy, rows, n};
+    kvlab_pool_run(expand_items, &e, (uint32_t)((rows + ROWS - 1) / ROWS), 4 * CHUNK, threads);
+    return 0;
+}
