@@ -13,7 +13,7 @@ import torch
 from kvlab.config import bundled_names, load_config
 from kvlab.errors import KvlabError
 from kvlab.kv.cache import ContiguousKVCache
-from kvlab.memory import count_params, kv_bytes, kv_bytes_per_token
+from kvlab.memory import count_params, kv_bytes, kv_bytes_per_token, weight_bytes
 from kvlab.model.registry import architecture_of
 from kvlab.model.transformer import Transformer
 
@@ -35,15 +35,29 @@ def config_facts(config) -> list[tuple]:
     ]
 
 
-def distinct_params(model: torch.nn.Module) -> int:
-    return sum({id(p): p.numel() for p in model.parameters()}.values())
+def held_params(model: Transformer) -> int:
+    """Weights the model computes with, counted from its layers (float or packed): each matrix once."""
+    total, seen = 0, set()
+    for m in model.weight_modules():
+        key = id(m.weight_tensors()[0])
+        if key in seen:  # a tied LM head: the embedding's own table
+            continue
+        seen.add(key)
+        if hasattr(m, "macs_per_token"):
+            total += m.macs_per_token + (m.bias.numel() if m.bias is not None else 0)
+        elif hasattr(m, "shape"):  # a packed embedding
+            total += m.shape[0] * m.shape[1]
+        else:
+            total += m.weight.numel()
+    return total
 
 
 def check_agreement(config, model: Transformer) -> None:
     assert model_facts(model) == config_facts(config)
-    assert model.embed_tokens.weight.shape == (config.vocab_size, config.hidden_size)
-    assert (model.lm_head.weight is model.embed_tokens.weight) == config.tie_word_embeddings
-    assert distinct_params(model) == count_params(config).total  # the calculator's parameter count
+    embed, head = model.embed_tokens, model.lm_head
+    assert tuple(getattr(embed, "shape", None) or embed.weight.shape) == (config.vocab_size, config.hidden_size)
+    assert (head.weight_tensors()[0] is embed.weight_tensors()[0]) == config.tie_word_embeddings
+    assert held_params(model) == count_params(config).total  # the calculator's parameter count
     cache = ContiguousKVCache.for_model(config, 64, dtype=torch.bfloat16, device="meta")
     assert cache.nbytes() == kv_bytes(config, 64, kv_dtype="bfloat16")
     assert cache.bytes_per_token() == kv_bytes_per_token(config, "bfloat16")
@@ -90,3 +104,5 @@ def test_the_real_gguf_files_load_as_the_calculator_describes_them(real_model, n
     loaded = load_model(path)
     assert loaded.config == config  # the very same description, from the same reader
     check_agreement(config, loaded.model)
+    if loaded.weight_format.endswith("(as stored)"):  # blocks kept: the bytes held are the file's, as kvlab mem says
+        assert loaded.weight_bytes == weight_bytes(config).bytes

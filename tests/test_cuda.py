@@ -189,3 +189,24 @@ def test_server_on_cuda_answers_a_chat_completion(tiny_chat_model):
         streamed = client.post("/v1/chat/completions", json={**body, "stream": True})
         assert streamed.text.rstrip().endswith("data: [DONE]")
     assert llm.engine.kv.pool.num_used_blocks == 0
+
+
+def test_a_gguf_keeps_its_blocks_on_cuda_and_agrees_with_the_cpu(tmp_path):
+    """On CUDA the blocks stay stored (dequantized layer by layer on the device by the reference code);
+    logits agree with the same file on the CPU, and greedy tokens with its expanded float copy."""
+    from kvlab.quant.linear import PackedLinear
+    from tiny import add_tiny_tokenizer, build_tiny_gguf
+
+    directory = tmp_path / "m"
+    build_tiny("qwen2", directory)
+    add_tiny_tokenizer(directory)
+    path = build_tiny_gguf(directory, tmp_path / "q.gguf", quant=lambda name: "Q4_0" if "attn_q" in name else "Q8_0")
+    gpu, cpu = load_model(path, device="cuda"), load_model(path, dequantize=True)
+    assert isinstance(gpu.model.layers[0].attn.qkv_proj, PackedLinear)
+    assert gpu.model.layers[0].attn.qkv_proj.packed_0.device.type == "cuda"
+    ids = torch.tensor([prompts(1, length=20, seed=5)[0]])
+    a = ModelDriver(gpu.model).run(ids.cuda(), ContiguousKVCache.for_model(gpu.config, 32, device="cuda"))
+    b = ModelDriver(cpu.model).run(ids, ContiguousKVCache.for_model(cpu.config, 32))
+    assert (a.cpu() - b).abs().max().item() < 1e-4 * max(b.abs().max().item(), 1.0)
+    batch = prompts(3, seed=6)
+    assert run_all(LLMEngine(gpu, None), batch) == run_all(LLMEngine(cpu, None), batch)

@@ -12,6 +12,7 @@ import torch
 
 from kvlab.config import EngineConfig
 from kvlab.engine import LLMEngine
+from kvlab.kernels import ThreadPolicy
 from kvlab.reference import ReferenceEngine
 from kvlab.runner.driver import ModelDriver
 from kvlab.scheduler import StepResult
@@ -62,7 +63,8 @@ def run_all(engine: LLMEngine, batch: list[list[int]], params=GREEDY, check=None
 
 
 def test_single_sequence_logits_are_bit_identical_to_the_contiguous_cache(loaded):
-    engine = LLMEngine(loaded, None, EngineConfig(enable_prefix_caching=False))
+    """The same modules over either cache (the fused decode step, tested apart, computes attention in C)."""
+    engine = LLMEngine(loaded, None, EngineConfig(enable_prefix_caching=False), policy=ThreadPolicy(fused_decode=False))
     ids = prompts(1, seed=3)[0] + prompts(1, seed=4)[0]
     engine.add_request(ids, GREEDY)
     request = engine.scheduler.waiting[0]

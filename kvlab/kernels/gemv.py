@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from kvlab.kernels.policy import current
 
-_SOURCES = [Path(__file__).with_name(name) for name in ("gemv.c", "quant.c", "pool.c")]
+_SOURCES = [Path(__file__).with_name(name) for name in ("gemv.c", "quant.c", "decode.c", "pool.c")]
 _HEADERS = [Path(__file__).with_name("pool.h")]
 _FLAGS = ["-O3", "-march=native", "-pthread", "-shared", "-fPIC", "-std=gnu11", "-lm"]
 _MAX_OUT = 2**31  # output rows: the pool numbers work items (4 rows each) in 32 bits
@@ -40,6 +40,7 @@ _kernels: dict[torch.dtype, object] = {}
 _ops: dict[str, object] = {}  # the small decode ops (rms_norm, rope), float32 only
 _pool: dict[str, object] = {}  # the thread pool's hooks for tests and benchmarks (pool_stats, ...)
 _quant: dict[str, object] = {}  # the block-format kernels of quant.c, for kernels/quant.py
+_decode: dict[str, object] = {}  # decode.c's fused decoder layer, for kernels/decode.py
 _state = {"loaded": False}
 _load_lock = threading.Lock()  # a second thread waits for the first one's build instead of using BLAS
 
@@ -100,6 +101,8 @@ def _load() -> None:
     _quant["format"] = _bind(lib, "kvlab_quant_format", [ctypes.c_int, int_p, int_p], ctypes.c_char_p)
     _quant["matmul"] = _bind(lib, "kvlab_quant_matmul", [ctypes.c_int] + [pointer, int64] + [pointer] * 2 + [int64] * 4 + [ctypes.c_int], ctypes.c_int)
     _quant["dequantize"] = _bind(lib, "kvlab_quant_dequantize", [ctypes.c_int, pointer, int64, pointer] + [int64] * 3 + [ctypes.c_int], ctypes.c_int)
+    _decode["layer"] = _bind(lib, "kvlab_decode_layer", [pointer] * 3 + [ctypes.c_int])
+    _decode["scratch_floats"] = _bind(lib, "kvlab_decode_scratch_floats", [int64] * 7, int64)
 
 
 def _bind(lib: ctypes.CDLL, name: str, argtypes: list, restype=None):

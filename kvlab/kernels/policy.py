@@ -5,7 +5,8 @@
         model(...)                                 # kernels read `current()`: threads, kernel on/off
 
 A decode-sized pass (at most `max_kernel_rows` rows) runs its products on the kernels' pool with
-`threads` threads and PyTorch's own small ops on one thread: at several threads each small op wakes
+`threads` threads (with `fused_decode`, each decoder layer of a paged decode step is one C call) and
+PyTorch's own small ops on one thread: at several threads each small op wakes
 PyTorch's OpenMP workers, which then spin on the cores the pool needs (measured on SmolLM2: 96 ms a
 step with both at 2 threads, 56 ms this way). A prompt-sized pass gives PyTorch `threads` for BLAS.
 
@@ -36,6 +37,7 @@ class ThreadPolicy:
     threads: int = field(default_factory=torch.get_num_threads)  # CPU threads of this engine's passes
     use_kernels: bool = field(default_factory=_kernels_default)  # False: every product through PyTorch
     max_kernel_rows: int = DEFAULT_MAX_KERNEL_ROWS  # the kernels' crossover with BLAS, in rows
+    fused_decode: bool = True  # a decode step's layers one C call each (kernels/decode.c) where they fit
 
     def __post_init__(self) -> None:
         if self.threads is None:

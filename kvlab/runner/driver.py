@@ -5,7 +5,8 @@
 
 Every caller of the model (the serving engine's runner, the reference engine, the lab, the tests)
 goes through it, so the thread policy (its engine's own: kvlab.kernels.policy), inference mode and
-the plan → forward → commit order live in one place.
+the plan → forward → commit order live in one place. A paged decode step on a CPU runs each decoder
+layer as one C call (kernels/decode.py) instead of the layer's modules, where the model fits it.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ class ModelDriver:
     def __init__(self, model, policy: ThreadPolicy | None = None):
         self.model = model
         self.policy = policy or ThreadPolicy()
+        self._fused = None  # the fused decode step (kernels/decode.py), made at the first decode pass
 
     @property
     def device(self) -> torch.device:
@@ -47,10 +49,26 @@ class ModelDriver:
                 raise TypeError(f"{type(cache).__name__} needs the pass's metadata from its caller")
             meta = cache.plan(input_ids.shape[1])
         with self.policy.applied(input_ids.numel(), self.device):
-            logits = self.model(input_ids, cache, meta, logits_index=logits_index)
+            fused = self._fused_step(input_ids, cache, meta, logits_index)
+            if fused is not None:
+                logits = fused.run(input_ids, cache, meta, logits_index, self.policy)
+            else:
+                logits = self.model(input_ids, cache, meta, logits_index=logits_index)
         if planned:
             cache.commit(meta)
         return logits
+
+    def _fused_step(self, input_ids, cache, meta, logits_index):
+        """The fused decode step if this pass is one it runs (a paged decode step on a CPU), else None."""
+        if not self.policy.fused_decode or logits_index is None or self.device.type != "cpu":
+            return None
+        if not self.policy.kernel_sized(input_ids.numel()):
+            return None
+        if self._fused is None:
+            from kvlab.kernels.decode import FusedDecode
+
+            self._fused = FusedDecode.for_model(self.model) or False
+        return self._fused if self._fused and self._fused.applies(input_ids, cache, meta, self.policy) else None
 
     def append(self, ids: list[int], cache: SingleBatchKVCache) -> torch.Tensor:
         """Append `ids` to the single sequence in `cache`: logits [V] of the last one."""
