@@ -86,11 +86,14 @@ class RotaryEmbedding(torch.nn.Module):
 
     def __init__(self, rope: RopeConfig, head_dim: int, max_positions: int):
         super().__init__()
-        inv_freq, scaling = inverse_frequencies(rope, head_dim)
-        positions = torch.arange(max_positions, dtype=torch.float32)
-        freqs = torch.outer(positions, inv_freq)  # [P, D/2]
-        angles = torch.cat([freqs, freqs], dim=-1)  # [P, D]: both halves of a pair share an angle
-        sign = torch.cat([-torch.ones(head_dim // 2), torch.ones(head_dim // 2)])
+        # The tables are computed on the CPU even when the model is built under torch.device("meta"):
+        # meta arithmetic runs through torch._refs, whose first use imports torch._dynamo (2 s at start-up).
+        with torch.device("cpu"):
+            inv_freq, scaling = inverse_frequencies(rope, head_dim)
+            positions = torch.arange(max_positions, dtype=torch.float32)
+            freqs = torch.outer(positions, inv_freq)  # [P, D/2]
+            angles = torch.cat([freqs, freqs], dim=-1)  # [P, D]: both halves of a pair share an angle
+            sign = torch.cat([-torch.ones(head_dim // 2), torch.ones(head_dim // 2)])
         self.register_buffer("cos", angles.cos() * scaling, persistent=False)
         self.register_buffer("sin", angles.sin() * scaling * sign, persistent=False)
 
