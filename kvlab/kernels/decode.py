@@ -66,6 +66,8 @@ def _linear(module) -> LinearDesc | None:
     from kvlab.model.layers import Linear
     from kvlab.quant.linear import PackedLinear
 
+    if not isinstance(module, (Linear, PackedLinear)):
+        return None  # another implementation of the linear seam (a tensor-parallel shard, ...)
     desc = LinearDesc(in_features=module.in_features, out_features=module.out_features)
     bias = module.bias
     if bias is not None:

@@ -1,0 +1,129 @@
+"""The tensor-parallel group: every rank of a torchrun job, over torch.distributed (gloo on CPU, NCCL on CUDA).
+
+    group = TPGroup.from_environment(tensor_parallel_size=2)   # WORLD_SIZE, RANK, ... set by torchrun
+    y = group.all_reduce(partial)          # the sum of every rank's tensor, on every rank
+    logits = group.all_gather(shard, -1)   # every rank's shard, concatenated along a dimension
+    events = group.broadcast(events)       # rank 0's Python object, on every rank
+
+Every collective has a deadline (`timeout_s`): a rank that died or hangs ends the job with a one-line
+error instead of leaving the others waiting forever. A world of one (no torchrun) is a group too:
+its collectives return their input, so the same code runs with and without tensor parallelism.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from kvlab.errors import KvlabError
+
+DEFAULT_TIMEOUT_S = 60.0
+
+
+class RankFailed(KvlabError):
+    """Another rank of the job died or stopped answering: this one cannot go on either."""
+
+
+@dataclass
+class TPGroup:
+    rank: int = 0
+    world_size: int = 1
+    timeout_s: float = DEFAULT_TIMEOUT_S
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    # seconds spent in collectives since the last `take_comm_seconds` (the benchmark's all-reduce share)
+    comm_s: float = 0.0
+    num_collectives: int = 0
+
+    @classmethod
+    def single(cls) -> TPGroup:
+        return cls()
+
+    @classmethod
+    def from_environment(cls, tensor_parallel_size: int, device="cpu", timeout_s: float = DEFAULT_TIMEOUT_S) -> TPGroup:
+        """The group torchrun launched this process into; its world size must be `tensor_parallel_size`."""
+        device = torch.device(device)
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        if tensor_parallel_size < 1:
+            raise KvlabError(f"--tensor-parallel-size must be at least 1, got {tensor_parallel_size}")
+        if tensor_parallel_size == 1 and world == 1:
+            return cls(device=device, timeout_s=timeout_s)
+        if world != tensor_parallel_size:
+            raise KvlabError(
+                f"--tensor-parallel-size {tensor_parallel_size} needs that many processes: launch it with "
+                f"torchrun --nproc-per-node {tensor_parallel_size} -m kvlab ... (this process sees a world of {world})"
+            )
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            backend = "nccl" if device.type == "cuda" else "gloo"
+            if device.type == "cuda":
+                device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+                torch.cuda.set_device(device)
+            dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+        return cls(rank=dist.get_rank(), world_size=dist.get_world_size(), timeout_s=timeout_s, device=device)
+
+    @property
+    def is_leader(self) -> bool:
+        """Rank 0: the one that prints, serves HTTP and decides what every rank does next."""
+        return self.rank == 0
+
+    # ---- collectives -------------------------------------------------------------------------------
+
+    def _run(self, what: str, fn):
+        start = time.perf_counter()
+        try:
+            return fn()
+        except RuntimeError as e:  # gloo/NCCL: a peer closed its connection, or the deadline passed
+            raise RankFailed(
+                f"rank {self.rank}: {what} failed ({str(e).splitlines()[0][:200]}): another rank of the "
+                f"tensor-parallel job died or stopped answering within {self.timeout_s:g} s; the job ends"
+            ) from None
+        finally:
+            self.comm_s += time.perf_counter() - start
+            self.num_collectives += 1
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The elementwise sum over ranks, in place (and returned)."""
+        if self.world_size == 1:
+            return tensor
+        import torch.distributed as dist
+
+        return self._run("all-reduce", lambda: dist.all_reduce(tensor) or tensor)
+
+    def all_gather(self, tensor: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        """Every rank's tensor (all the same shape), concatenated along `dim` in rank order."""
+        if self.world_size == 1:
+            return tensor
+        import torch.distributed as dist
+
+        tensor = tensor.contiguous()
+        parts = [torch.empty_like(tensor) for _ in range(self.world_size)]
+        self._run("all-gather", lambda: dist.all_gather(parts, tensor))
+        return torch.cat(parts, dim=dim)
+
+    def broadcast(self, obj=None):
+        """Rank 0's `obj` (any picklable object), returned on every rank."""
+        if self.world_size == 1:
+            return obj
+        import torch.distributed as dist
+
+        box = [obj if self.is_leader else None]
+        self._run("broadcast", lambda: dist.broadcast_object_list(box, src=0))
+        return box[0]
+
+    def take_comm_seconds(self) -> tuple[float, int]:
+        """(seconds in collectives, how many) since the last call."""
+        out = (self.comm_s, self.num_collectives)
+        self.comm_s, self.num_collectives = 0.0, 0
+        return out
+
+    def close(self) -> None:
+        if self.world_size > 1:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()

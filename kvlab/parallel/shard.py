@@ -1,0 +1,183 @@
+"""Tensor parallelism as a transform of a loaded model: each rank keeps its shard of every layer.
+
+    config = shard_config(model_config, world_size)     # what one rank holds (heads, MLP width)
+    loaded = shard_model(loaded, group)                  # the model's layers replaced by their shards
+
+Query heads are split in contiguous ranges (q/k/v are column-parallel, o row-parallel with an
+all-reduce); KV heads too, or, when there are fewer KV heads than ranks, each rank keeps the one its
+query heads read (replicated, as vLLM does). The MLP's gate/up rows and down's matching columns are
+split the same way; the embedding and the LM head by vocabulary ranges. A quantized matrix is split
+along its rows freely, and along its inputs only at block boundaries: where a rank's columns do not
+start and end on one, that shard is expanded to float32 (its values exact, its bytes larger).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from kvlab.config import MLA, Attention, DenseMLP, GatedDeltaNet, Mamba2, ModelConfig
+from kvlab.errors import KvlabError
+from kvlab.model.layers import Embedding, Linear
+from kvlab.parallel.group import TPGroup
+from kvlab.parallel.layers import RowParallel, VocabParallelEmbedding, VocabParallelHead
+from kvlab.quant.linear import PackedEmbedding, PackedLinear, PackedTensor
+
+
+def kv_heads_per_rank(heads: int, kv_heads: int, world: int, name: str) -> tuple[int, int]:
+    """(query heads, KV heads) one of `world` ranks holds; a KvlabError names the sizes that would work."""
+    if heads % world:
+        sizes = ", ".join(str(n) for n in range(1, heads + 1) if heads % n == 0)
+        raise KvlabError(f"{name} has {heads} query heads, which {world} ranks cannot share equally: "
+                         f"use a --tensor-parallel-size that divides {heads} ({sizes})")  # fmt: skip
+    if kv_heads % world == 0:
+        return heads // world, kv_heads // world
+    if world % kv_heads == 0:
+        return heads // world, 1  # fewer KV heads than ranks: each rank keeps the one its queries read
+    raise KvlabError(f"{name}: {kv_heads} KV heads cannot be split or replicated over {world} ranks")
+
+
+def shard_config(config: ModelConfig, world: int) -> ModelConfig:
+    """The description of what one of `world` ranks holds: its heads and MLP width (per-rank KV bytes)."""
+    if world == 1:
+        return config
+    name = config.name or config.architecture
+
+    def mixer(m):
+        if isinstance(m, Attention):
+            heads, kv_heads = kv_heads_per_rank(m.num_heads, m.kv_heads, world, name)
+            return dataclasses.replace(m, num_heads=heads, kv_heads=kv_heads)
+        if isinstance(m, MLA):  # one latent per token, read by every head: every rank keeps it whole
+            return dataclasses.replace(m, num_heads=m.num_heads // world)
+        if isinstance(m, GatedDeltaNet):
+            return dataclasses.replace(m, num_key_heads=max(m.num_key_heads // world, 1),
+                                       num_value_heads=m.num_value_heads // world)  # fmt: skip
+        if isinstance(m, Mamba2):
+            return dataclasses.replace(m, num_heads=m.num_heads // world, n_groups=max(m.n_groups // world, 1))
+        return m
+
+    def mlp(m):
+        if isinstance(m, DenseMLP):
+            if m.intermediate_size % world:
+                raise KvlabError(f"{name}: an MLP of {m.intermediate_size} cannot be split over {world} ranks")
+            return dataclasses.replace(m, intermediate_size=m.intermediate_size // world)
+        return m
+
+    layers = tuple(dataclasses.replace(layer, mixer=mixer(layer.mixer), mlp=mlp(layer.mlp)) for layer in config.layers)
+    note = f"tensor parallel: what one of {world} ranks holds"
+    return dataclasses.replace(config, layers=layers, notes=config.notes + (note,))
+
+
+# ---- splitting one matrix ------------------------------------------------------------------------
+
+
+def _rows(module, ranges: list[tuple[int, int]], parts: tuple[int, ...]):
+    """The module's output rows in `ranges` (one per part), as a module of the same kind."""
+    if isinstance(module, PackedLinear):
+        kept = [PackedTensor(p.fmt, (hi - lo, p.shape[1]), p.data[lo:hi].contiguous())
+                for p, (lo, hi) in zip(module.packed(), ranges)]  # fmt: skip
+        bias = _bias_rows(module.bias, ranges, module.parts)
+        return PackedLinear(kept, bias=bias)
+    offsets = [sum(module.parts[:i]) for i in range(len(module.parts))]
+    rows = torch.cat([torch.arange(o + lo, o + hi) for o, (lo, hi) in zip(offsets, ranges)])
+    new = Linear(module.in_features, len(rows), bias=module.bias is not None, parts=parts)
+    new.weight = torch.nn.Parameter(module.weight.detach()[rows].contiguous(), requires_grad=False)
+    if module.bias is not None:
+        new.bias = torch.nn.Parameter(module.bias.detach()[rows].contiguous(), requires_grad=False)
+    return new
+
+
+def _bias_rows(bias, ranges, parts):
+    if bias is None:
+        return None
+    offsets = [sum(parts[:i]) for i in range(len(parts))]
+    return torch.cat([bias.detach()[o + lo : o + hi] for o, (lo, hi) in zip(offsets, ranges)]).contiguous()
+
+
+def _columns(module, lo: int, hi: int):
+    """The module's input columns [lo, hi): a row-parallel shard (its bias left to rank 0's caller)."""
+    if isinstance(module, PackedLinear):
+        kept = []
+        for p in module.packed():
+            fmt = p.format
+            if lo % fmt.block_values or hi % fmt.block_values:  # not on block boundaries: exact floats
+                kept.append(PackedTensor("F32", (p.shape[0], hi - lo), _float_bytes(p.dequantize()[:, lo:hi])))
+                continue
+            start, end = lo // fmt.block_values * fmt.block_bytes, hi // fmt.block_values * fmt.block_bytes
+            kept.append(PackedTensor(p.fmt, (p.shape[0], hi - lo), p.data[:, start:end].contiguous()))
+        return PackedLinear(kept)
+    new = Linear(hi - lo, module.out_features)
+    new.weight = torch.nn.Parameter(module.weight.detach()[:, lo:hi].contiguous(), requires_grad=False)
+    return new
+
+
+def _float_bytes(w: torch.Tensor) -> torch.Tensor:
+    return w.float().contiguous().view(torch.uint8).reshape(w.shape[0], -1)
+
+
+def _vocab_rows(module, lo: int, hi: int, padded: int):
+    """Rows [lo, hi) of an embedding table or LM head, zero rows appended up to `padded` rows."""
+    if isinstance(module, (PackedLinear, PackedEmbedding)):
+        p = module.table() if isinstance(module, PackedEmbedding) else module.packed()[0]
+        data = torch.zeros(padded, p.data.shape[1], dtype=torch.uint8)  # zero bytes: a zero block in every format
+        data[: hi - lo] = p.data[lo:hi]
+        table = PackedTensor(p.fmt, (padded, p.shape[1]), data)
+        return PackedEmbedding(table, module.out_dtype) if isinstance(module, PackedEmbedding) else PackedLinear([table])
+    weight = torch.zeros(padded, module.weight.shape[1], dtype=module.weight.dtype)
+    weight[: hi - lo] = module.weight.detach()[lo:hi]
+    new = Embedding(*weight.shape) if isinstance(module, Embedding) else Linear(weight.shape[1], padded)
+    new.weight = torch.nn.Parameter(weight, requires_grad=False)
+    return new
+
+
+# ---- the model -------------------------------------------------------------------------------------
+
+
+def shard_model(loaded, group: TPGroup):
+    """`loaded` with every layer replaced by this rank's shard; its config says what the rank holds."""
+    if group.world_size == 1:
+        return loaded
+    model, config, world, rank = loaded.model, loaded.config, group.world_size, group.rank
+    local = shard_config(config, world)
+    for layer in model.layers:
+        _shard_attention(layer.attn, group)
+        _shard_mlp(layer.mlp, group)
+    vocab = config.vocab_size
+    per_rank = -(-vocab // world)
+    lo, hi = rank * per_rank, min((rank + 1) * per_rank, vocab)
+    tied = model.lm_head.weight_tensors()[0] is model.embed_tokens.weight_tensors()[0]
+    table = _vocab_rows(model.embed_tokens, lo, hi, per_rank)
+    model.embed_tokens = VocabParallelEmbedding(table, lo, per_rank, group)
+    if tied:
+        head = table.as_linear() if isinstance(table, PackedEmbedding) else _tied_head(table)
+    else:
+        head = _vocab_rows(model.lm_head, lo, hi, per_rank)
+    model.lm_head = VocabParallelHead(head, vocab, group)
+    return dataclasses.replace(loaded, config=local)
+
+
+def _tied_head(table: Embedding) -> Linear:
+    head = Linear(table.weight.shape[1], table.weight.shape[0])
+    head.weight = table.weight
+    return head
+
+
+def _shard_attention(attn, group: TPGroup) -> None:
+    H, Hkv, D, world, rank = attn.num_heads, attn.num_kv_heads, attn.head_dim, group.world_size, group.rank
+    heads, kv_heads = kv_heads_per_rank(H, Hkv, world, "this model")
+    kv_first = rank * kv_heads if Hkv % world == 0 else rank // (world // Hkv)  # replicated: the one it reads
+    q = (rank * heads * D, (rank + 1) * heads * D)
+    kv = (kv_first * D, (kv_first + kv_heads) * D)
+    attn.qkv_proj = _rows(attn.qkv_proj, [q, kv, kv], (heads * D, kv_heads * D, kv_heads * D))
+    attn.o_proj = RowParallel(_columns(attn.o_proj, *q), group)
+    attn.num_heads, attn.num_kv_heads = heads, kv_heads
+
+
+def _shard_mlp(mlp, group: TPGroup) -> None:
+    I, world, rank = mlp.intermediate_size, group.world_size, group.rank
+    local = I // world
+    rows = (rank * local, (rank + 1) * local)
+    mlp.gate_up_proj = _rows(mlp.gate_up_proj, [rows, rows], (local, local))
+    mlp.down_proj = RowParallel(_columns(mlp.down_proj, *rows), group)
+    mlp.intermediate_size = local
