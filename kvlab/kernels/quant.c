@@ -3,32 +3,34 @@
 // A decode step is the time to read the weights, and a 4-bit block holds 7x more weights per byte than
 // float32: streaming the blocks instead of an expanded copy is the whole gain. The price is
 // arithmetic: every weight must become a float before it meets an activation (activations stay
-// float32; quantizing them to int8, as llama.cpp does, would change the results). So a work item
-// (ROWS output rows) walks its rows in chunks of CK input values: it expands the chunk's blocks into a
-// small float buffer that stays in L1 (exactly the reference's values), then multiplies that buffer
-// by every activation row with register-tiled FMAs. Each block is read from memory once per call,
-// whatever the number of activation rows.
+// float32; quantizing them to int8, as llama.cpp does, would change the results), and at 4-5 bits a
+// weight that decoding costs more than reading it. So the AVX-512 path below decodes with as few
+// instructions as it can (codes as indices into a table of the block's values) and multiplies each
+// block by every activation row while it sits in registers; elsewhere a portable path expands each
+// chunk of a work item's rows into an L1 float buffer and multiplies that.
 //
-// Expanding is the cost that decides one-row speed. With AVX-512 the 4- and 5-bit formats use the
-// codes as indices into a 16- or 32-entry table of the block's float values (one permute per 16
-// weights instead of convert, offset and multiply), and the fifth bits go in through mask registers.
+// Work items are groups of ROWS output rows, claimed through the kernels' pool (pool.c). Every output
+// value is one thread's sum in one fixed order: lane-wise partial sums in two accumulators (even and
+// odd vectors), folded in a fixed tree at the end. The bits do not depend on the number of threads, nor
+// on how many activation rows came in the same call. Each part of a fused matrix writes its own
+// columns of y (row stride ldy).
 //
-// Every output value is one thread's sum in one fixed order, the same for any number of threads and
-// any number of activation rows: lane-wise partial sums in two accumulators (even and odd vectors),
-// folded at the end. The dequantize kernel gives the exact bits of the gguf package's numpy
-// arithmetic (products and sums rounded one by one), so its functions are compiled without FMA
-// contraction.
+// The dequantize kernel (for prompt-sized products, then BLAS) gives the exact bits of the gguf
+// package's numpy arithmetic, products and sums rounded one by one: its functions are compiled
+// without FMA contraction.
 //
-// Formats (see kvlab/quant/formats.py): byte layouts of ggml's Q8_0, Q4_0, Q4_1, Q5_0, Q4_K, Q5_K,
-// Q6_K, and plain F32, F16 and BF16 rows as blocks of one value.
+// Formats (see kvlab/quant/formats.py): the byte layouts of ggml's Q8_0, Q4_0, Q4_1, Q5_0, Q4_K, Q5_K
+// and Q6_K, and plain F32, F16 and BF16 rows as blocks of one value.
 
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "pool.h"
-#if defined(__AVX512F__)
+#if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
+#endif
+#if defined(__AVX512F__)
 #define VL 16  // floats per vector
 #define MT 2   // activation rows per register tile: 4 x 2 x 2 accumulators of 32 registers
 #else
@@ -100,40 +102,35 @@ static inline void k_scales(const uint8_t* s, uint8_t* sc, uint8_t* mn) {
 
 typedef void (*DequantFn)(const uint8_t* w, int64_t ldw, int rows, int64_t blocks, float* out, int64_t ldo);
 
-#if defined(__AVX512F__)
-#define IOTA _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)
-#define LOAD16U8(p) _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(p)))  // 16 bytes → 16 int32 lanes
-#define LOW4(v) _mm512_and_si512(v, _mm512_set1_epi32(15))
-#define HIGH4(v) _mm512_srli_epi32(v, 4)
-#define ADD16(v, k) _mm512_mask_or_epi32(v, k, v, _mm512_set1_epi32(16))  // fifth bit set in lanes of mask k
-// value[i] = table[code[i]]: permutes use only the index's low 4 (or 5) bits, so a byte's low nibble
-// needs no masking before a 16-entry lookup
-#define LOOKUP16(codes, table) _mm512_permutexvar_ps(codes, table)
-#define LOOKUP32(codes, lo, hi) _mm512_permutex2var_ps(lo, codes, hi)
+// Written for the machine's own vector width: GCC did not vectorize the plain loops (16 and 32 values,
+// nibbles and bit fields), and it lowers wider generic vectors and byte-to-float conversions one lane
+// at a time. Machines without AVX-512 compute every product through these.
+typedef int32_t vi __attribute__((vector_size(VL * 4)));
 
-// the table of the 32 values a 5-bit group can take, (scale·q) − offset for q = 0..31, rounded as numpy
-static inline void table32(float scale, float offset, __m512* lo, __m512* hi) {
-    __m512 s = _mm512_set1_ps(scale), o = _mm512_set1_ps(offset);
-    *lo = _mm512_sub_ps(_mm512_mul_ps(s, IOTA), o);
-    *hi = _mm512_sub_ps(_mm512_mul_ps(s, _mm512_add_ps(IOTA, _mm512_set1_ps(16))), o);
-}
+static inline vi widen(const uint8_t* p, int is_signed) {  // VL bytes → VL int32 lanes
+#if defined(__AVX512F__)
+    __m128i b = _mm_loadu_si128((const __m128i*)p);
+    return (vi)(is_signed ? _mm512_cvtepi8_epi32(b) : _mm512_cvtepu8_epi32(b));
+#elif defined(__AVX2__)
+    __m128i b = _mm_loadl_epi64((const __m128i*)p);
+    return (vi)(is_signed ? _mm256_cvtepi8_epi32(b) : _mm256_cvtepu8_epi32(b));
+#else
+    vi v;
+    for (int i = 0; i < VL; i++) v[i] = is_signed ? (int8_t)p[i] : p[i];
+    return v;
 #endif
+}
+
+static inline vf floats(vi v) { return __builtin_convertvector(v, vf); }
+static inline vf splat(float f) { return (vf){0} + f; }
+static inline void put(float* o, vf v) { memcpy(o, &v, sizeof v); }
 
 static void dequant_q8_0(const uint8_t* w, int64_t ldw, int rows, int64_t blocks, float* out, int64_t ldo) {
     for (int r = 0; r < rows; r++)
         for (int64_t b = 0; b < blocks; b++) {  // 34 bytes: fp16 d, int8 q[32]; w = q·d
             const uint8_t* p = w + r * ldw + b * 34;
-            float* o = out + r * ldo + b * 32;
-#if defined(__AVX512F__)
-            __m512 d = _mm512_set1_ps(half(p));
-            __m512i q0 = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(p + 2)));
-            __m512i q1 = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(p + 18)));
-            _mm512_storeu_ps(o, _mm512_mul_ps(_mm512_cvtepi32_ps(q0), d));
-            _mm512_storeu_ps(o + 16, _mm512_mul_ps(_mm512_cvtepi32_ps(q1), d));
-#else
-            float d = half(p);
-            for (int j = 0; j < 32; j++) o[j] = (float)(int8_t)p[2 + j] * d;
-#endif
+            const vf d = splat(half(p));
+            for (int j = 0; j < 32; j += VL) put(out + r * ldo + b * 32 + j, floats(widen(p + 2 + j, 1)) * d);
         }
 }
 
@@ -142,18 +139,12 @@ static void dequant_q4_0(const uint8_t* w, int64_t ldw, int rows, int64_t blocks
         for (int64_t b = 0; b < blocks; b++) {  // 18 bytes: fp16 d, nibbles (j low, j + 16 high); w = d·(q − 8)
             const uint8_t* p = w + r * ldw + b * 18;
             float* o = out + r * ldo + b * 32;
-#if defined(__AVX512F__)
-            __m512 table = _mm512_mul_ps(_mm512_set1_ps(half(p)), _mm512_sub_ps(IOTA, _mm512_set1_ps(8)));
-            __m512i q = LOAD16U8(p + 2);
-            _mm512_storeu_ps(o, LOOKUP16(q, table));
-            _mm512_storeu_ps(o + 16, LOOKUP16(HIGH4(q), table));
-#else
-            float d = half(p);
-            for (int j = 0; j < 16; j++) {
-                o[j] = d * (float)((p[2 + j] & 15) - 8);
-                o[j + 16] = d * (float)((p[2 + j] >> 4) - 8);
+            const vf d = splat(half(p));
+            for (int j = 0; j < 16; j += VL) {
+                const vi q = widen(p + 2 + j, 0);
+                put(o + j, d * floats((q & 15) - 8));
+                put(o + 16 + j, d * floats((q >> 4) - 8));
             }
-#endif
         }
 }
 
@@ -162,41 +153,32 @@ static void dequant_q4_1(const uint8_t* w, int64_t ldw, int rows, int64_t blocks
         for (int64_t b = 0; b < blocks; b++) {  // 20 bytes: fp16 d, fp16 m, nibbles; w = d·q + m
             const uint8_t* p = w + r * ldw + b * 20;
             float* o = out + r * ldo + b * 32;
-#if defined(__AVX512F__)
-            __m512 table = _mm512_add_ps(_mm512_mul_ps(_mm512_set1_ps(half(p)), IOTA), _mm512_set1_ps(half(p + 2)));
-            __m512i q = LOAD16U8(p + 4);
-            _mm512_storeu_ps(o, LOOKUP16(q, table));
-            _mm512_storeu_ps(o + 16, LOOKUP16(HIGH4(q), table));
-#else
-            float d = half(p), m = half(p + 2);
-            for (int j = 0; j < 16; j++) {
-                o[j] = d * (float)(p[4 + j] & 15) + m;
-                o[j + 16] = d * (float)(p[4 + j] >> 4) + m;
+            const vf d = splat(half(p)), m = splat(half(p + 2));
+            for (int j = 0; j < 16; j += VL) {
+                const vi q = widen(p + 4 + j, 0);
+                put(o + j, d * floats(q & 15) + m);
+                put(o + 16 + j, d * floats(q >> 4) + m);
             }
-#endif
         }
 }
 
 static void dequant_q5_0(const uint8_t* w, int64_t ldw, int rows, int64_t blocks, float* out, int64_t ldo) {
+    vi lane;
+    for (int i = 0; i < VL; i++) lane[i] = i;
     for (int r = 0; r < rows; r++)
         for (int64_t b = 0; b < blocks; b++) {  // 22 bytes: fp16 d, 32 fifth bits (bit j: weight j), nibbles
             const uint8_t* p = w + r * ldw + b * 22;
             float* o = out + r * ldo + b * 32;
             uint32_t qh;
             memcpy(&qh, p + 2, sizeof qh);
-#if defined(__AVX512F__)
-            __m512 d = _mm512_set1_ps(half(p));  // the table: d·(q − 16) for q = 0..15, then 16..31
-            __m512 lo = _mm512_mul_ps(d, _mm512_sub_ps(IOTA, _mm512_set1_ps(16))), hi = _mm512_mul_ps(d, IOTA);
-            __m512i q = LOAD16U8(p + 6);
-            _mm512_storeu_ps(o, LOOKUP32(ADD16(LOW4(q), (__mmask16)qh), lo, hi));
-            _mm512_storeu_ps(o + 16, LOOKUP32(ADD16(HIGH4(q), (__mmask16)(qh >> 16)), lo, hi));
-#else
-            float d = half(p);
-            for (int j = 0; j < 16; j++) {
-                o[j] = d * (float)((int)((p[6 + j] & 15) | ((qh >> j) & 1) << 4) - 16);
-                o[j + 16] = d * (float)((int)((p[6 + j] >> 4) | ((qh >> (j + 16)) & 1) << 4) - 16);
+            const vf d = splat(half(p));
+            const vi bits = (vi){0} + (int32_t)qh;
+            for (int j = 0; j < 16; j += VL) {
+                const vi q = widen(p + 6 + j, 0);
+                const vi low = (bits >> (lane + j)) & 1, high = (bits >> (lane + j + 16)) & 1;  // bit 0: bit j of qh
+                put(o + j, d * floats(((q & 15) | low << 4) - 16));
+                put(o + 16 + j, d * floats(((q >> 4) | high << 4) - 16));
             }
-#endif
         }
 }
 
@@ -205,21 +187,15 @@ static void dequant_q4_k(const uint8_t* w, int64_t ldw, int rows, int64_t blocks
         for (int64_t b = 0; b < blocks; b++) {  // 144 bytes: fp16 d, dmin, 12 B of scales, 128 B of nibbles
             const uint8_t *p = w + r * ldw + b * 144, *qs = p + 16;
             float* o = out + r * ldo + b * QK_K;
-            float d = half(p), dmin = half(p + 2);
+            const float d = half(p), dmin = half(p + 2);
             uint8_t sc[8], mn[8];
             k_scales(p + 4, sc, mn);
             for (int g = 0; g < 8; g++) {  // 32 bytes hold group g (g even: low nibbles, odd: high); w = (d·sc)·q − dmin·m
-                float scale = d * (float)sc[g], offset = dmin * (float)mn[g];
-                const uint8_t* c = qs + 32 * (g / 2);
-#if defined(__AVX512F__)
-                __m512 table = _mm512_sub_ps(_mm512_mul_ps(_mm512_set1_ps(scale), IOTA), _mm512_set1_ps(offset));
-                __m512i q0 = LOAD16U8(c), q1 = LOAD16U8(c + 16);
-                if (g & 1) q0 = HIGH4(q0), q1 = HIGH4(q1);
-                _mm512_storeu_ps(o + 32 * g, LOOKUP16(q0, table));
-                _mm512_storeu_ps(o + 32 * g + 16, LOOKUP16(q1, table));
-#else
-                for (int l = 0; l < 32; l++) o[32 * g + l] = scale * (float)((c[l] >> 4 * (g & 1)) & 15) - offset;
-#endif
+                const vf scale = splat(d * (float)sc[g]), offset = splat(dmin * (float)mn[g]);
+                for (int l = 0; l < 32; l += VL) {
+                    const vi q = (widen(qs + 32 * (g / 2) + l, 0) >> 4 * (g & 1)) & 15;
+                    put(o + 32 * g + l, scale * floats(q) - offset);
+                }
             }
         }
 }
@@ -229,29 +205,15 @@ static void dequant_q5_k(const uint8_t* w, int64_t ldw, int rows, int64_t blocks
         for (int64_t b = 0; b < blocks; b++) {  // 176 bytes: as Q4_K, with 32 B of fifth bits before the nibbles
             const uint8_t *p = w + r * ldw + b * 176, *qh = p + 16, *qs = p + 48;
             float* o = out + r * ldo + b * QK_K;
-            float d = half(p), dmin = half(p + 2);
+            const float d = half(p), dmin = half(p + 2);
             uint8_t sc[8], mn[8];
             k_scales(p + 4, sc, mn);
-#if defined(__AVX512F__)
-            __m512i h0 = LOAD16U8(qh), h1 = LOAD16U8(qh + 16);  // bit g of byte l: weight l of group g
-#endif
-            for (int g = 0; g < 8; g++) {
-                float scale = d * (float)sc[g], offset = dmin * (float)mn[g];
-                const uint8_t* c = qs + 32 * (g / 2);
-#if defined(__AVX512F__)
-                __m512 lo, hi;
-                table32(scale, offset, &lo, &hi);
-                __m512i q0 = LOAD16U8(c), q1 = LOAD16U8(c + 16), bit = _mm512_set1_epi32(1 << g);
-                q0 = g & 1 ? HIGH4(q0) : LOW4(q0), q1 = g & 1 ? HIGH4(q1) : LOW4(q1);
-                q0 = ADD16(q0, _mm512_test_epi32_mask(h0, bit)), q1 = ADD16(q1, _mm512_test_epi32_mask(h1, bit));
-                _mm512_storeu_ps(o + 32 * g, LOOKUP32(q0, lo, hi));
-                _mm512_storeu_ps(o + 32 * g + 16, LOOKUP32(q1, lo, hi));
-#else
-                for (int l = 0; l < 32; l++) {
-                    int q = ((c[l] >> 4 * (g & 1)) & 15) | ((qh[l] >> g) & 1) << 4;
-                    o[32 * g + l] = scale * (float)q - offset;
+            for (int g = 0; g < 8; g++) {  // the fifth bit of weight l of group g: bit g of qh[l]
+                const vf scale = splat(d * (float)sc[g]), offset = splat(dmin * (float)mn[g]);
+                for (int l = 0; l < 32; l += VL) {
+                    const vi q = ((widen(qs + 32 * (g / 2) + l, 0) >> 4 * (g & 1)) & 15) | ((widen(qh + l, 0) >> g) & 1) << 4;
+                    put(o + 32 * g + l, scale * floats(q) - offset);
                 }
-#endif
             }
         }
 }
@@ -265,29 +227,15 @@ static void dequant_q6_k(const uint8_t* w, int64_t ldw, int rows, int64_t blocks
             const uint8_t* p = w + r * ldw + b * 210;
             const int8_t* scales = (const int8_t*)(p + 192);
             float* o = out + r * ldo + b * QK_K;
-            float d = half(p + 208);
-            for (int h = 0; h < 2; h++) {
-                const uint8_t *ql = p + 64 * h, *qh = p + 128 + 32 * h;
-#if defined(__AVX512F__)
-                __m512i high[2] = {LOAD16U8(qh), LOAD16U8(qh + 16)};
+            const float d = half(p + 208);
+            for (int h = 0; h < 2; h++)
                 for (int t = 0; t < 4; t++)
-                    for (int s = 0; s < 2; s++) {  // lanes l = 16s .. 16s + 15: one scale
-                        __m512i low = LOAD16U8(ql + 32 * (t & 1) + 16 * s);
-                        low = t < 2 ? LOW4(low) : HIGH4(low);
-                        __m512i top = _mm512_and_si512(_mm512_srli_epi32(high[s], 2 * t), _mm512_set1_epi32(3));
-                        __m512i q = _mm512_sub_epi32(_mm512_or_si512(low, _mm512_slli_epi32(top, 4)), _mm512_set1_epi32(32));
-                        __m512 scale = _mm512_set1_ps(d * (float)scales[8 * h + 2 * t + s]);
-                        _mm512_storeu_ps(o + 128 * h + 32 * t + 16 * s, _mm512_mul_ps(scale, _mm512_cvtepi32_ps(q)));
+                    for (int l = 0; l < 32; l += VL) {  // a scale per 16 weights
+                        const vi low = (widen(p + 64 * h + 32 * (t & 1) + l, 0) >> 4 * (t / 2)) & 15;
+                        const vi top = (widen(p + 128 + 32 * h + l, 0) >> 2 * t) & 3;
+                        const vf scale = splat(d * (float)scales[8 * h + 2 * t + l / 16]);
+                        put(o + 128 * h + 32 * t + l, scale * floats((low | top << 4) - 32));
                     }
-#else
-                for (int t = 0; t < 4; t++)
-                    for (int l = 0; l < 32; l++) {
-                        int q = ((ql[32 * (t & 1) + l] >> 4 * (t / 2)) & 15) | ((qh[l] >> 2 * t) & 3) << 4;
-                        float scale = d * (float)scales[8 * h + 2 * t + l / 16];
-                        o[128 * h + 32 * t + l] = scale * (float)(q - 32);
-                    }
-#endif
-            }
         }
 }
 
@@ -411,16 +359,18 @@ static inline void hsum4(const vf* v, float* sums) {
     static __attribute__((noinline)) void NAME(const float* wb, const float* x, int64_t ldx, int64_t len, \
                                                vf* saved) {                                         \
         vf acc[M][TILE][2];                                                                         \
-        for (int i = 0; i < M * TILE * 2; i++)                                                      \
-            acc[i / (2 * TILE)][i / 2 % TILE][i % 2] = saved[(i / (2 * TILE) * ROWS + i / 2 % TILE) * 2 + i % 2]; \
+        for (int i = 0; i < M; i++)                                                                 \
+            for (int r = 0; r < TILE; r++)                                                          \
+                for (int k = 0; k < 2; k++) acc[i][r][k] = saved[(i * ROWS + r) * 2 + k];           \
         int64_t j = 0;                                                                              \
         for (; j + 2 * VL <= len; j += 2 * VL) {                                                    \
             STEP(M, 0, j)                                                                           \
             STEP(M, 1, j + VL)                                                                      \
         }                                                                                           \
         if (j + VL <= len) STEP(M, 0, j)                                                            \
-        for (int i = 0; i < M * TILE * 2; i++)                                                      \
-            saved[(i / (2 * TILE) * ROWS + i / 2 % TILE) * 2 + i % 2] = acc[i / (2 * TILE)][i / 2 % TILE][i % 2]; \
+        for (int i = 0; i < M; i++)                                                                 \
+            for (int r = 0; r < TILE; r++)                                                          \
+                for (int k = 0; k < 2; k++) saved[(i * ROWS + r) * 2 + k] = acc[i][r][k];           \
     }
 #define STEP(M, k, at)                                                                              \
     {                                                                                               \
@@ -512,9 +462,11 @@ static const int32_t LANE_BYTE[16] = {0, 0, 0, 0, 8, 8, 8, 8, 16, 16, 16, 16, 24
 #define BIT4_ROTATION(k) _mm512_add_epi32(BYTE_SHIFT, _mm512_set1_epi32(((k) + 28) & 31))
 #define LOW4_THEN(a, b) _mm512_ternarylogic_epi32(a, b, _mm512_set1_epi32(15), 0xE4)  // a's bits 0-3, b's above
 
+// lane L of a vector in lane order holds value 4·(L % 4) + L / 4 of its 16: a 4 x 4 transpose, its own inverse
+#define LANE_ORDER _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15)
+
 static inline void to_lane_order(const float* x, float* xt, int64_t count) {  // count: a multiple of 16
-    const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
-    for (int64_t i = 0; i < count; i += 16) _mm512_storeu_ps(xt + i, _mm512_permutexvar_ps(order, _mm512_loadu_ps(x + i)));
+    for (int64_t i = 0; i < count; i += 16) _mm512_storeu_ps(xt + i, _mm512_permutexvar_ps(LANE_ORDER, _mm512_loadu_ps(x + i)));
 }
 
 static inline int in_lane_order(int fmt) { return fmt >= Q4_0 && fmt <= Q6_K; }
@@ -588,7 +540,7 @@ static inline void decode(int fmt, const uint8_t* row, int64_t c, int u, const f
         __m512 d = _mm512_set1_ps(half(p));
         table = _mm512_mul_ps(d, _mm512_sub_ps(iota, sixteen)), hi_table = _mm512_mul_ps(d, iota);
         // weight j = 4·(L % 4) + L / 4 of each half: bit j (or 16 + j) of qh, rotated to bit 4
-        const __m512i j = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+        const __m512i j = LANE_ORDER;
         __m512i bit0 = _mm512_rorv_epi32(high, _mm512_add_epi32(j, _mm512_set1_epi32(28)));
         __m512i bit1 = _mm512_rorv_epi32(high, _mm512_add_epi32(j, _mm512_set1_epi32(12)));
         w[0] = _mm512_permutex2var_ps(table, LOW4_THEN(CODES(bytes, 0), bit0), hi_table);
@@ -627,6 +579,16 @@ static inline void decode(int fmt, const uint8_t* row, int64_t c, int u, const f
     }
 }
 
+// While the item's rows are multiplied, ask for the same place in the next item's rows (which this
+// thread most likely takes next), one line per row and unit until the chunk's lines are asked for:
+// eight interleaved rows of a few hundred bytes are no stream the hardware prefetchers follow (from
+// memory the products ran at half their speed from cache, decoding and waiting one after the other).
+static inline __attribute__((always_inline)) void prefetch_next(const Product* p, const uint8_t* row, int64_t c, int u) {
+    const Format* f = &FORMATS[p->fmt];
+    const int64_t from = c / f->values * f->bytes, line = (from & ~63) + 64 * u;
+    if (line < from + CK / f->values * f->bytes) _mm_prefetch((const char*)row + ROWS * p->ldw + line, _MM_HINT_T1);
+}
+
 // M ≤ 4 activation rows: every unit of R rows decoded into registers and multiplied at once, with
 // R·M·2 = 16 accumulators (R = 8 rows for one activation row, 4 for two, 2 for three or four).
 static inline __attribute__((always_inline)) void fused_rows(int fmt, const int M, const int R, const Product* p,
@@ -647,6 +609,7 @@ static inline __attribute__((always_inline)) void fused_rows(int fmt, const int 
             // accumulators in memory: 2x slower)
 #pragma GCC unroll 8
             for (int r = 0; r < R; r++) {
+                prefetch_next(p, row[r], c, u);
                 __m512 w[2];
                 decode(fmt, row[r], c, u, s[r], &shifts, w);
 #pragma GCC unroll 4
@@ -686,6 +649,7 @@ static inline __attribute__((always_inline)) void stored_item(int fmt, const Pro
         for (int r = 0; r < ROWS; r++) {
             for (int u = 0; u < len / 32; u++) {
                 const UnitShifts shifts = unit_shifts(fmt, u);
+                prefetch_next(p, row[r], c, u);
                 __m512 w[2];
                 decode(fmt, row[r], c, u, s[r], &shifts, w);
                 _mm512_store_ps(wb + r * CK + 32 * u, w[0]);
@@ -695,6 +659,23 @@ static inline __attribute__((always_inline)) void stored_item(int fmt, const Pro
         multiply_chunk(wb, p->x + c, p->n, p->m, len, acc);
     }
     finish_item(p, o0, rows, acc, NULL);
+}
+
+// Dequantization with the same decoders, every vector put back in order.
+static void expand_row(int fmt, const uint8_t* row, int64_t n, float* y) {
+    float s[1][32] __attribute__((aligned(64)));
+    for (int64_t c = 0; c < n; c += CK) {
+        const int units = (int)((n - c < CK ? n - c : CK) / 32);
+        if (FORMATS[fmt].values == QK_K) chunk_scales(fmt, 1, &row, c, s);
+        for (int u = 0; u < units; u++) {
+            const UnitShifts shifts = unit_shifts(fmt, u);
+            __m512 w[2];
+            decode(fmt, row, c, u, s[0], &shifts, w);
+            if (in_lane_order(fmt)) w[0] = _mm512_permutexvar_ps(LANE_ORDER, w[0]), w[1] = _mm512_permutexvar_ps(LANE_ORDER, w[1]);
+            _mm512_storeu_ps(y + c + 32 * u, w[0]);
+            _mm512_storeu_ps(y + c + 32 * u + 16, w[1]);
+        }
+    }
 }
 
 #define DEFINE_BLOCK_ITEMS(NAME, FMT)                                                 \
@@ -741,6 +722,7 @@ static PoolTask block_items(int fmt) {
 static PoolTask block_items(int fmt) { (void)fmt; return NULL; }
 static inline int in_lane_order(int fmt) { (void)fmt; return 0; }
 static inline void to_lane_order(const float* x, float* xt, int64_t count) { (void)x, (void)xt, (void)count; }
+static void expand_row(int fmt, const uint8_t* row, int64_t n, float* y) { (void)fmt, (void)row, (void)n, (void)y; }
 #endif
 
 // y[i, o] (row stride ldy) = sum_j x[i, j] · W[o, j]; W: `out` rows of format `fmt`, row o's blocks at
@@ -752,7 +734,7 @@ int kvlab_quant_matmul(int fmt, const uint8_t* w, int64_t ldw, const float* x, f
     PoolTask task = block_items(fmt);
     float* xt = NULL;
     if (task && in_lane_order(fmt)) {
-        if (!(xt = malloc(m * n * sizeof(float) + 64))) return -2;
+        if (!(xt = aligned_alloc(64, (m * n * sizeof(float) + 63) / 64 * 64))) return -2;  // whole-line loads
         to_lane_order(x, xt, m * n);
         x = xt;
     }
@@ -767,7 +749,7 @@ int kvlab_quant_matmul(int fmt, const uint8_t* w, int64_t ldw, const float* x, f
 // ---- dequantize: the blocks as float32 [rows, n] (row stride ldy), for prompt-sized products ----
 
 typedef struct {
-    const Format* f;
+    int fmt;
     const uint8_t* w;
     int64_t ldw;
     float* y;
@@ -776,16 +758,23 @@ typedef struct {
 
 static void expand_items(void* ctx, uint32_t begin, uint32_t end) {  // item b: rows ROWS·b ..
     const Expansion e = *(const Expansion*)ctx;
+    const Format* f = &FORMATS[e.fmt];
     for (int64_t r = (int64_t)begin * ROWS; r < (int64_t)end * ROWS && r < e.rows; r += ROWS) {
         int rows = e.rows - r < ROWS ? (int)(e.rows - r) : ROWS;
-        e.f->dequant(e.w + r * e.ldw, e.ldw, rows, e.n / e.f->values, e.y + r * e.ldy, e.ldy);
+        if (block_items(e.fmt)) {
+            for (int k = 0; k < rows; k++) expand_row(e.fmt, e.w + (r + k) * e.ldw, e.n, e.y + (r + k) * e.ldy);
+        } else {
+            f->dequant(e.w + r * e.ldw, e.ldw, rows, e.n / f->values, e.y + r * e.ldy, e.ldy);
+        }
     }
 }
 
+// y [rows, n] (row stride ldy) = the reference's values of W's blocks, bit for bit. Returns 0, or −1 as
+// kvlab_quant_matmul.
 int kvlab_quant_dequantize(int fmt, const uint8_t* w, int64_t ldw, float* y, int64_t ldy, int64_t rows, int64_t n,
                            int threads) {
     if (fmt < 0 || fmt >= NUM_FORMATS || n % FORMATS[fmt].values || rows / ROWS >= UINT32_MAX) return -1;
-    Expansion e = {&FORMATS[fmt], w, ldw, y, ldy, rows, n};
-    kvlab_pool_run(expand_items, &e, (uint32_t)((rows + ROWS - 1) / ROWS), 4 * CHUNK, threads);
+    Expansion e = {fmt, w, ldw, y, ldy, rows, n};
+    kvlab_pool_run(expand_items, &e, (uint32_t)((rows + ROWS - 1) / ROWS), CHUNK, threads);
     return 0;
 }
