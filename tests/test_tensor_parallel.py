@@ -95,3 +95,23 @@ def test_a_rank_that_stops_answering_ends_the_job_within_its_timeout(tmp_path):
     done = launch(directory, 2, tmp_path / "out.json", "--hang-after-steps", "3", "--timeout", "8", timeout=120)
     assert done.returncode != 0 and not (tmp_path / "out.json").exists()
     assert "stopped answering within 8 s" in done.stderr
+
+
+@pytest.mark.real
+def test_qwen_coder_at_two_ranks_gives_the_tokens_of_one(real_model, tmp_path):
+    """The real Qwen2.5-Coder-0.5B (14 query, 2 KV heads; Q5_0/Q6_K/Q4_K/Q8_0 blocks split at block
+    boundaries or expanded): 64 greedy tokens on the raw and chat prompts, world 2 against world 1."""
+    from kvlab.tokenizer import Tokenizer
+    from test_real import CHATS, RAW_PROMPTS
+
+    path = real_model("qwen2.5-coder-0.5b")
+    tok = Tokenizer.load(path)
+    ids = [tok.encode(p) for p in RAW_PROMPTS] + [tok.encode_chat(m, add_generation_prompt=True) for m in CHATS]
+    (tmp_path / "prompts.json").write_text(json.dumps(ids))
+    tokens = {}
+    for world in (1, 2):
+        out = tmp_path / f"tp{world}.json"
+        done = launch(path, world, out, "--prompts", str(tmp_path / "prompts.json"), timeout=900)
+        assert done.returncode == 0, done.stderr[-3000:]
+        tokens[world] = json.loads(out.read_text())[0]["tokens"]
+    assert tokens[2] == tokens[1]

@@ -13,6 +13,7 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -40,6 +41,7 @@ def main() -> int:
     ap.add_argument("--die-after-steps", type=int, help="rank 1 exits abruptly after this many steps")
     ap.add_argument("--hang-after-steps", type=int, help="rank 1 stops answering after this many steps")
     ap.add_argument("--timeout", type=float, default=60.0)
+    ap.add_argument("--prompts", help="a JSON list of prompts (token ids): 64 greedy tokens each, in one batch")
     args = ap.parse_args()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     group = tensor_parallel(world, timeout_s=args.timeout)
@@ -47,11 +49,15 @@ def main() -> int:
     ids = torch.randint(5, 400, (1, 30), generator=torch.Generator().manual_seed(0))
     logits = ModelDriver(loaded.model).run(ids, ContiguousKVCache.for_model(loaded.config, 64))
     kv_bytes = args.kv_tokens * PagedKVCache.bytes_per_token_for(loaded.config, loaded.model.dtype)
-    config = EngineConfig(max_model_len=128, max_num_batched_tokens=24, kv_memory_bytes=kv_bytes, max_num_seqs=8)
+    config = EngineConfig(max_model_len=256 if args.prompts else 128, max_num_batched_tokens=24, kv_memory_bytes=kv_bytes, max_num_seqs=8)
     engine = LLMEngine(loaded, None, config)
-    rids = [engine.add_request(p, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)) for p in prompts()]
-    rids.append(engine.add_request(prompts()[1], SamplingParams(max_tokens=12, temperature=0.9, seed=5, ignore_eos=True)))
-    rids.append(engine.add_request(prompts()[2], SamplingParams(max_tokens=12, temperature=0.9, ignore_eos=True)))
+    if args.prompts:  # a real model's prompts
+        greedy = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
+        rids = [engine.add_request(p, greedy) for p in json.loads(Path(args.prompts).read_text())]
+    else:
+        rids = [engine.add_request(p, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)) for p in prompts()]
+        rids.append(engine.add_request(prompts()[1], SamplingParams(max_tokens=12, temperature=0.9, seed=5, ignore_eos=True)))
+        rids.append(engine.add_request(prompts()[2], SamplingParams(max_tokens=12, temperature=0.9, ignore_eos=True)))
     done, steps = {}, 0
     while engine.has_unfinished_requests:
         for out in engine.step():

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from kvlab.kernels.policy import current
 
-_SOURCES = [Path(__file__).with_name(name) for name in ("gemv.c", "quant.c", "decode.c", "pool.c")]
+_SOURCES = [Path(__file__).with_name(name) for name in ("gemv.c", "quant.c", "decode.c", "allreduce.c", "pool.c")]
 _HEADERS = [Path(__file__).with_name("pool.h")]
 _FLAGS = ["-O3", "-march=native", "-pthread", "-shared", "-fPIC", "-std=gnu11", "-lm"]
 _MAX_OUT = 2**31  # output rows: the pool numbers work items (4 rows each) in 32 bits
@@ -41,6 +41,7 @@ _ops: dict[str, object] = {}  # the small decode ops (rms_norm, rope), float32 o
 _pool: dict[str, object] = {}  # the thread pool's hooks for tests and benchmarks (pool_stats, ...)
 _quant: dict[str, object] = {}  # the block-format kernels of quant.c, for kernels/quant.py
 _decode: dict[str, object] = {}  # decode.c's fused decoder layer, for kernels/decode.py
+_comm: dict[str, object] = {}  # allreduce.c's shared-memory all-reduce, for kvlab/parallel/shm.py
 _state = {"loaded": False}
 _load_lock = threading.Lock()  # a second thread waits for the first one's build instead of using BLAS
 
@@ -103,6 +104,8 @@ def _load() -> None:
     _quant["dequantize"] = _bind(lib, "kvlab_quant_dequantize", [ctypes.c_int, pointer, int64, pointer] + [int64] * 3 + [ctypes.c_int], ctypes.c_int)
     _decode["layer"] = _bind(lib, "kvlab_decode_layer", [pointer] * 3 + [ctypes.c_int])
     _decode["scratch_floats"] = _bind(lib, "kvlab_decode_scratch_floats", [int64] * 7, int64)
+    _comm["allreduce"] = _bind(lib, "kvlab_shm_allreduce", [pointer, ctypes.c_int, ctypes.c_int, int64, pointer,
+                                                            int64, int64, ctypes.c_double], ctypes.c_int)  # fmt: skip
 
 
 def _bind(lib: ctypes.CDLL, name: str, argtypes: list, restype=None):

@@ -5,7 +5,8 @@
     logits = group.all_gather(shard, -1)   # every rank's shard, concatenated along a dimension
     events = group.broadcast(events)       # rank 0's Python object, on every rank
 
-Every collective has a deadline (`timeout_s`): a rank that died or hangs ends the job with a one-line
+Ranks on one host all-reduce through shared memory (parallel/shm.py: gloo's round trips cost most of
+a decode step here); everything else goes through torch.distributed. Every collective has a deadline (`timeout_s`): a rank that died or hangs ends the job with a one-line
 error instead of leaving the others waiting forever. A world of one (no torchrun) is a group too:
 its collectives return their input, so the same code runs with and without tensor parallelism.
 """
@@ -37,6 +38,7 @@ class TPGroup:
     # seconds spent in collectives since the last `take_comm_seconds` (the benchmark's all-reduce share)
     comm_s: float = 0.0
     num_collectives: int = 0
+    shm: object = None  # the shared-memory all-reduce, when every rank is on this host (parallel/shm.py)
 
     @classmethod
     def single(cls) -> TPGroup:
@@ -64,7 +66,12 @@ class TPGroup:
                 device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
                 torch.cuda.set_device(device)
             dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
-        return cls(rank=dist.get_rank(), world_size=dist.get_world_size(), timeout_s=timeout_s, device=device)
+        group = cls(rank=dist.get_rank(), world_size=dist.get_world_size(), timeout_s=timeout_s, device=device)
+        if device.type == "cpu":
+            from kvlab.parallel.shm import SharedMemoryAllReduce
+
+            group.shm = SharedMemoryAllReduce.connect(group.rank, group.world_size, group.broadcast)
+        return group
 
     @property
     def is_leader(self) -> bool:
@@ -90,9 +97,16 @@ class TPGroup:
         """The elementwise sum over ranks, in place (and returned)."""
         if self.world_size == 1:
             return tensor
+        if self.shm is not None and self.shm.fits(tensor):
+            return self._run("all-reduce", lambda: self._shm_all_reduce(tensor))
         import torch.distributed as dist
 
         return self._run("all-reduce", lambda: dist.all_reduce(tensor) or tensor)
+
+    def _shm_all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        if not self.shm.all_reduce(tensor, self.timeout_s):
+            raise RuntimeError("a rank did not reach the shared-memory all-reduce")
+        return tensor
 
     def all_gather(self, tensor: torch.Tensor, dim: int = -1) -> torch.Tensor:
         """Every rank's tensor (all the same shape), concatenated along `dim` in rank order."""
@@ -122,6 +136,9 @@ class TPGroup:
         return out
 
     def close(self) -> None:
+        if self.shm is not None:
+            self.shm.close()
+            self.shm = None
         if self.world_size > 1:
             import torch.distributed as dist
 

@@ -8,7 +8,8 @@ all-reduce); KV heads too, or, when there are fewer KV heads than ranks, each ra
 query heads read (replicated, as vLLM does). The MLP's gate/up rows and down's matching columns are
 split the same way; the embedding and the LM head by vocabulary ranges. A quantized matrix is split
 along its rows freely, and along its inputs only at block boundaries: where a rank's columns do not
-start and end on one, that shard is expanded to float32 (its values exact, its bytes larger).
+start and end on one, that shard is expanded to float32 (its values exact, its bytes larger); the
+MLP's channels are cut at the down matrix's block boundaries, so its shards keep their blocks.
 """
 
 from __future__ import annotations
@@ -96,7 +97,9 @@ def _bias_rows(bias, ranges, parts):
 
 
 def _columns(module, lo: int, hi: int):
-    """The module's input columns [lo, hi): a row-parallel shard (its bias left to rank 0's caller)."""
+    """The module's input columns [lo, hi): a row-parallel shard."""
+    if module.bias is not None:  # the sum over ranks would add it once per rank (none of kvlab's models has one)
+        raise KvlabError("a row-parallel layer with a bias (o_proj, down_proj) cannot be split yet")
     if isinstance(module, PackedLinear):
         kept = []
         for p in module.packed():
@@ -140,9 +143,13 @@ def shard_model(loaded, group: TPGroup):
         return loaded
     model, config, world, rank = loaded.model, loaded.config, group.world_size, group.rank
     local = shard_config(config, world)
+    widths = []
     for layer in model.layers:
         _shard_attention(layer.attn, group)
-        _shard_mlp(layer.mlp, group)
+        widths.append(_shard_mlp(layer.mlp, group))
+    layers = tuple(dataclasses.replace(layer, mlp=dataclasses.replace(layer.mlp, intermediate_size=w))
+                   for layer, w in zip(local.layers, widths))  # fmt: skip
+    local = dataclasses.replace(local, layers=layers)  # this rank's own MLP widths (cut at block boundaries)
     vocab = config.vocab_size
     per_rank = -(-vocab // world)
     lo, hi = rank * per_rank, min((rank + 1) * per_rank, vocab)
@@ -174,10 +181,27 @@ def _shard_attention(attn, group: TPGroup) -> None:
     attn.num_heads, attn.num_kv_heads = heads, kv_heads
 
 
-def _shard_mlp(mlp, group: TPGroup) -> None:
-    I, world, rank = mlp.intermediate_size, group.world_size, group.rank
-    local = I // world
-    rows = (rank * local, (rank + 1) * local)
-    mlp.gate_up_proj = _rows(mlp.gate_up_proj, [rows, rows], (local, local))
-    mlp.down_proj = RowParallel(_columns(mlp.down_proj, *rows), group)
-    mlp.intermediate_size = local
+def mlp_ranges(size: int, align: int, world: int) -> list[tuple[int, int]]:
+    """Each rank's share of an MLP's `size` intermediate channels, cut at multiples of `align` (the
+    down matrix's block: Qwen2.5's Q6_K down holds 256 per block, 4,864 = 19 of them, so two ranks get
+    2,304 and 2,560 rather than 2,432 each, and keep their blocks as stored); as even as that allows."""
+    if size % align:
+        align = 1
+    units = size // align
+    counts = [units // world + (r < units % world) for r in range(world)]
+    bounds = [0]
+    for c in counts:
+        bounds.append(bounds[-1] + c * align)
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
+def _shard_mlp(mlp, group: TPGroup) -> int:
+    down = mlp.down_proj
+    align = max((p.format.block_values for p in down.packed()), default=1) if isinstance(down, PackedLinear) else 1
+    lo, hi = mlp_ranges(mlp.intermediate_size, align, group.world_size)[group.rank]
+    if hi == lo:
+        raise KvlabError(f"an MLP of {mlp.intermediate_size} channels cannot give {group.world_size} ranks a share each")
+    mlp.gate_up_proj = _rows(mlp.gate_up_proj, [(lo, hi), (lo, hi)], (hi - lo, hi - lo))
+    mlp.down_proj = RowParallel(_columns(mlp.down_proj, lo, hi), group)
+    mlp.intermediate_size = hi - lo
+    return hi - lo
