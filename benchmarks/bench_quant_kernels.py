@@ -34,6 +34,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvlab.kernels import gemv, quant  # noqa: E402
+from kvlab.lab.common import cpu_model  # noqa: E402
 from kvlab.quant.formats import FORMATS  # noqa: E402
 
 SHAPES = {  # [out, in] of each model's matrices
@@ -166,7 +167,7 @@ def main() -> int:
     if not quant.available():
         print("the C kernels are not built here (no compiler?)", file=sys.stderr)
         return 2
-    machine = {"cpu": _cpu_name(), "python": platform.python_version(), "torch": torch.__version__,
+    machine = {"cpu": cpu_model(), "python": platform.python_version(), "torch": torch.__version__,
                "threads": args.threads, "command": " ".join(sys.argv)}  # fmt: skip
     print(f"# {machine['cpu']}, {args.threads} threads, working set {args.working_set_mb} MB per kernel")
     results = {"machine": machine}
@@ -177,16 +178,6 @@ def main() -> int:
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
     return 0
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 if __name__ == "__main__":

@@ -22,11 +22,14 @@ from kvlab.kv.manager import KVCacheManager, KVLedger
 from kvlab.kv.paged import PagedKVCache
 from kvlab.kv.pool_plan import KVPoolPlan, plan_kv_pool
 from kvlab.model.loader import LoadedModel
+from kvlab.output.group import RequestGroup
 from kvlab.output.processor import OutputState, StepOutput
 from kvlab.output.result import RequestOutput
 from kvlab.request import Request, RequestStatus, check_token_ids
 from kvlab.runner.model_runner import ModelRunner
 from kvlab.sampling.params import SamplingParams
+from kvlab.sampling.sampler import BatchSampler
+from kvlab.sampling.structured import GrammarCompiler
 from kvlab.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, StepResult
 from kvlab.stats import STEP_PHASES, EngineStats, peak_memory_bytes
 
@@ -56,9 +59,13 @@ class LLMEngine:
         scheduler_config = SchedulerConfig(self.max_model_len, config.max_num_seqs, config.max_num_batched_tokens,
                                            recompute_every_step=not config.use_cache)  # fmt: skip
         self.scheduler = Scheduler(scheduler_config, self.kv)
-        self.runner = ModelRunner(model, self.cache, pack_prompts=config.pack_prompts, policy=policy)
+        self.vocab_size = model_config.vocab_size
+        self.grammars = GrammarCompiler(tokenizer, self.vocab_size, self.eos_token_ids) if tokenizer else None
+        sampler = BatchSampler(self.vocab_size, model.device, self.grammars)
+        self.runner = ModelRunner(model, self.cache, pack_prompts=config.pack_prompts, policy=policy, sampler=sampler)
         self.stats = EngineStats()
-        self._states: dict[str, tuple[Request, OutputState]] = {}
+        self._states: dict[str, tuple[Request, OutputState]] = {}  # per sequence (a request, or one of its choices)
+        self._groups: dict[str, RequestGroup] = {}  # per request id: its choices
         self._ids = itertools.count()
 
     # ---- requests in and out -----------------------------------------------------------------------
@@ -80,6 +87,17 @@ class LLMEngine:
 
     def add_request(
         self,
+    def check_params(self, params: SamplingParams) -> None:
+        """Raise KvlabError for what only this engine can judge: logit_bias ids outside the vocabulary, a
+        structured output its grammar engine cannot compile (compiled grammars are cached)."""
+        bad = [t for t in (params.logit_bias or ()) if t >= self.vocab_size]
+        if bad:
+            raise KvlabError(f"logit_bias token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})")
+        if params.structured_outputs is not None:
+            if self.grammars is None:
+                raise KvlabError("structured outputs need the model's tokenizer")
+            self.grammars.compile(params.structured_outputs)
+
         prompt_token_ids: list[int],
         params: SamplingParams,
         request_id: str | None = None,
@@ -89,35 +107,51 @@ class LLMEngine:
     ) -> str:
         """Queue a request; it runs from the next step on. Returns its id.
 
-        `cache_salt`: the request shares prefix-cache blocks only with requests of the same salt.
+        `cache_salt`: the request shares prefix-cache blocks only with requests of the same salt. A request
+        with prompt_logprobs is salted apart (its own id): every prompt token must go through the model.
+        With n > 1 (or best_of) the prompt is prefilled once and the other choices fork from it.
         """
         self.check_prompt(prompt_token_ids)
         request_id = request_id or f"req-{next(self._ids)}"
-        if request_id in self._states:
+        if request_id in self._groups:
+        self.check_params(params)
             raise KvlabError(f"request id {request_id!r} is already in the engine")
         request = Request(
             request_id, list(prompt_token_ids), params,
+        if params.prompt_logprobs is not None:
+            cache_salt = f"{cache_salt}\0prompt-logprobs\0{request_id}"
             max_tokens=min(params.max_tokens, self.max_model_len - len(prompt_token_ids)),
             eos_token_ids=frozenset(self.eos_token_ids), arrival_s=arrival_s or time.perf_counter(),
             cache_salt=cache_salt,
         )  # fmt: skip
         output = output or RequestOutput(prompt=None, prompt_token_ids=list(prompt_token_ids))
+            fork_ids=tuple(Request.choice_id(request_id, i) for i in range(1, params.num_sequences)),
         output.request_id = request_id
-        self._states[request_id] = (request, OutputState(request, self.tokenizer, output))
+        group = self._groups[request_id] = RequestGroup.new(output, params, request_id)
+        self._states[request_id] = (request, OutputState(request, self.tokenizer, output, group.choice(0)))
         self.scheduler.add_request(request)
         return request_id
 
     def abort_request(self, request_id: str) -> StepOutput | None:
-        """Stop a request now (its blocks go back to the pool); None if it is not in the engine."""
-        entry = self._states.get(request_id)
-        if entry is None:
+        """Stop a request now, every choice of it (their blocks go back to the pool); None if it is not in
+        the engine. Returns the last choice's final output (`finished` set)."""
+        group = self._groups.get(request_id)
+        if group is None:
             return None
-        request, state = entry
-        self.scheduler.finish_request(request, RequestStatus.FINISHED_ABORTED)
-        return self._finalize(request, state, state.finish(request))
+        out = None
+        for seq_id in sorted(group.live):
+            if seq_id not in self._states:  # lost in a step that failed while finalizing it
+                group.live.discard(seq_id)
+                continue
+            request, state = self._states[seq_id]
+            self.scheduler.finish_request(request, RequestStatus.FINISHED_ABORTED)
+            out = self._finalize(request, state, state.finish(request))
+        if request_id in self._groups and not group.live:  # every choice was lost: forget the request
+            del self._groups[request_id]
+        return out
 
     def has_request(self, request_id: str) -> bool:
-        return request_id in self._states
+        return request_id in self._groups
 
     @property
     def has_unfinished_requests(self) -> bool:
@@ -150,9 +184,9 @@ class LLMEngine:
             t2 = time.perf_counter()
             logits = self.runner.forward(inputs)  # 3. one batched forward (per pass)
             t3 = time.perf_counter()
-            tokens, failed = self._sample(inputs.sampling, logits)  # 4. a token per request that reached its end
+            tokens, failed = self._sample(inputs, logits)  # 4. a token per request that reached its end
             t4 = time.perf_counter()
-            outputs = [self._fail(r, e) for r, e in failed]
+            outputs = [o for r, e in failed if self.has_request(r.group_id) and (o := self._fail(r, e)) is not None]
             outputs += self._update(plan, tokens, step_s=t4 - t0)  # 5. append, stop, detokenize
             t5 = time.perf_counter()
         except Exception as error:
@@ -163,18 +197,20 @@ class LLMEngine:
 
     # ---- step-failure isolation: an exception in a step ends that step's requests, not the engine ----
 
-    def _sample(self, requests: list[Request], logits) -> tuple[StepResult, list[tuple[Request, Exception]]]:
+    def _sample(self, inputs, logits) -> tuple[StepResult, list[tuple[Request, Exception]]]:
         """The runner's sample; if it raises, each request alone, to find the one(s) that cannot be sampled.
 
         A retried request that had drawn before the failure draws again: its seeded text differs
-        from a run without the failure.
+        from a run without the failure. The forward's prompt log-probabilities join the result.
         """
         try:
-            return self.runner.sample(requests, logits), []
+            tokens.merge(self.runner.sample(requests, logits))
+            return tokens, []
+        requests = inputs.sampling
+        tokens, failed = StepResult(prompt_logprobs=dict(inputs.prompt_logprobs)), []
         except Exception:
             if len(requests) <= 1:
                 raise
-        tokens, failed = StepResult(), []
         for i, request in enumerate(requests):
             try:
                 tokens.merge(self.runner.sample([request], logits[i : i + 1]))
@@ -187,35 +223,77 @@ class LLMEngine:
         request, when planning itself failed), then check the pool; a broken pool raises (engine dead)."""
         logger.exception("engine step failed; ending the requests it carried")
         requests = [c.request for c in plan.chunks] if plan else [*self.scheduler.running, *self.scheduler.waiting]
-        outputs = [self._fail(r, error) for r in dict.fromkeys(requests) if self.has_request(r.request_id)]
+        outputs = []
+        for r in dict.fromkeys(requests):
+            if self.has_request(r.group_id):  # not already ended with another choice of its request
+                outputs.append(self._fail(r, error))
         self.kv.pool.check_integrity()
-        return outputs
+        return [out for out in outputs if out is not None]
 
-    def _fail(self, request: Request, error: Exception) -> StepOutput:
-        """End one request with an error: aborted, blocks freed; its half-written last block is not cached."""
-        request.num_computed_tokens -= request.num_computed_tokens % self.kv.block_size
-        out = self.abort_request(request.request_id)
-        out.error = f"{type(error).__name__}: {error}"
+    def _fail(self, request: Request, error: Exception) -> StepOutput | None:
+        """End a request (every choice) with an error: aborted, blocks freed; half-written last blocks are
+        not cached."""
+        for seq_id in self._groups[request.group_id].live:
+            seq = self._states[seq_id][0] if seq_id in self._states else request
+            seq.num_computed_tokens -= seq.num_computed_tokens % self.kv.block_size
+        out = self.abort_request(request.group_id)
+        if out is not None:
+            out.error = f"{type(error).__name__}: {error}"
         return out
 
     def _update(self, plan: SchedulerOutput, tokens: StepResult, step_s: float) -> list[StepOutput]:
         self._account(plan, step_s)
         now = time.perf_counter()
         outputs = []
-        for request in self.scheduler.update(plan, tokens):
+        for request in self.scheduler.update(plan, tokens) + self._fork(tokens):
+        self._add_prompt_logprobs(tokens)
             timings = request.timings
             timings.first_token_s = timings.first_token_s or now
             timings.last_token_s = now
             state = self._states[request.request_id][1]
-            out = state.update(request)
+            out = state.update(request, tokens.logprobs.get(request.request_id))
+            out.finished = False  # a choice's end; the request's is _finalize's to say
             if state.stop_hit:
                 self.scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED)
-            self._fill_metrics(request, state.output)
+            self._fill_metrics(request, state.choice)
             outputs.append(self._finalize(request, state, out) if request.is_finished else out)
         return outputs
 
     def _account(self, plan: SchedulerOutput, step_s: float) -> None:
         """Each request's share of the step: a prompt chunk (prefill) or a fed-back token (decode)."""
+    def _add_prompt_logprobs(self, tokens: StepResult) -> None:
+        for seq_id, logprobs in tokens.prompt_logprobs.items():
+            entry = self._states.get(seq_id)
+            if entry is not None:
+                self._groups[entry[0].group_id].output.prompt_logprobs.extend(logprobs)
+                entry[0].num_prompt_logprobs += len(logprobs)
+
+    def _fork(self, tokens: StepResult) -> list[Request]:
+        """The other choices of requests whose prompt just finished: each drew its first token from the
+        prompt's logits (the sampler) and now shares the prompt's blocks (Scheduler.fork)."""
+        children = []
+        for parent_id, child_ids in tokens.forks.items():
+            entry = self._states.get(parent_id)
+            if entry is None:  # the request ended in this step
+                continue
+            parent = entry[0]
+            parent.fork_ids = ()
+            group = self._groups[parent.group_id]
+            for index, child_id in enumerate(child_ids, start=parent.index + 1):
+                child = Request(child_id, list(parent.prompt_token_ids), parent.params, parent.max_tokens,
+                                parent.eos_token_ids, parent.arrival_s, cache_salt=parent.cache_salt,
+                                group_id=parent.group_id, index=index)  # fmt: skip
+                child.timings.first_scheduled_s = parent.timings.first_scheduled_s
+                group.live.add(child_id)
+                self._states[child_id] = (child, OutputState(child, self.tokenizer, group.output, group.choice(index)))
+                status = child.append_token(tokens.sampled_token_ids[child_id][0])
+                if status is not None:  # ended at its first token: it never needs a block
+                    child.status = status
+                elif self.scheduler.fork(parent, child):
+                    child.num_cached_tokens = child.num_prompt_tokens
+                children.append(child)
+        return children
+
         n = len(plan.chunks)
         for c in plan.chunks:
             t = c.request.timings
@@ -247,16 +325,20 @@ class LLMEngine:
         m.kv_cache_allocated_bytes = m.kv_blocks * self.pool_plan.bytes_per_block
 
     def _finalize(self, request: Request, state: OutputState, out: StepOutput) -> StepOutput:
-        """A request has ended: close its output, forget its sampler and state, count it."""
-        output = state.output
+        """A sequence has ended: close its choice, forget its sampler and state, count it; the request
+        has ended (`out.finished`) with its last choice."""
+        output = state.choice
         output.finish_reason = "stop" if state.stop_hit else request.finish_reason
         self._fill_metrics(request, output)
         output.metrics.peak_memory_bytes = peak_memory_bytes(self.cache.device)
         self.runner.release(request.request_id)
         del self._states[request.request_id]
         self.stats.record_finished(output.finish_reason, output.metrics)
-        out.finished = True
         return out
+        out.choice_finished = True
+        out.finished = self._groups[request.group_id].finish(request.request_id)
+        if out.finished:
+            del self._groups[request.group_id]
 
     # ---- accounting -----------------------------------------------------------------------------------
 

@@ -84,9 +84,12 @@ class LLM:
             raise KvlabError("a prompt is a string or {'prompt_token_ids': [...]}")
         return self._require_tokenizer().encode(prompt, add_special_tokens=True)
 
-    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+    def encode_chat(self, messages: list[dict[str, Any]], tools: list[dict] | None = None) -> list[int]:
+        """The conversation through the model's chat template (`tools`: OpenAI-shaped tool definitions,
+        for templates with a tools section)."""
         # the template writes any BOS itself; special tokens in message content stay text
-        return self._require_tokenizer().encode_chat(messages, add_generation_prompt=True)
+        extra = {"tools": tools} if tools else {}
+        return self._require_tokenizer().encode_chat(messages, add_generation_prompt=True, **extra)
 
     def _require_tokenizer(self):
         if self.tokenizer is None:
@@ -133,7 +136,7 @@ class LLM:
             stream = self._streams.get(out.request_id)
             if stream is None:
                 continue
-            if out.new_text:
+            if out.new_text and out.index == 0:  # a stream shows the first choice; `.output` holds them all
                 stream.pieces.append(out.new_text)
             if out.finished:
                 stream.done = True

@@ -78,11 +78,22 @@ class Request:
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache when first admitted
     num_preemptions: int = 0
     cache_salt: str | None = None  # prefix-cache namespace: blocks are shared only under the same salt
+    # choices (n > 1, best_of): each is a sequence of its own; the first carries the caller's request id
+    group_id: str | None = None  # the caller's request id (None: this request's own id)
+    index: int = 0  # which choice this sequence is (its seed is seed + index)
+    fork_ids: tuple[str, ...] = ()  # the other choices, forked from this one when its prompt is done
+    num_prompt_logprobs: int = 0  # prompt positions whose log-probabilities were computed (prompt_logprobs)
     timings: RequestTimings = field(init=False)
 
     def __post_init__(self) -> None:
         self.all_token_ids: list[int] = list(self.prompt_token_ids)  # prompt, then every generated token
         self.timings = RequestTimings(arrival_s=self.arrival_s)
+        self.group_id = self.group_id or self.request_id
+
+    @staticmethod
+    def choice_id(group_id: str, index: int) -> str:
+        """The sequence id of choice `index` (> 0) of a request."""
+        return f"{group_id}#{index}"
 
     @property
     def num_tokens(self) -> int:

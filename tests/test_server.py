@@ -150,7 +150,7 @@ def test_models_health_and_metrics(server):
         ("/v1/completions", {"model": "tiny", "prompt": "hi", "top_p": 2}, 400, None),
         ("/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 0}, 400, None),
         ("/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": "ten"}, 400, None),
-        ("/v1/completions", {"model": "tiny", "prompt": "hi", "n": 2}, 400, None),
+        ("/v1/completions", {"model": "tiny", "prompt": "hi", "n": 0}, 400, None),
         ("/v1/completions", {"model": "tiny", "prompt": "hi", "stop": 5}, 400, None),
         ("/v1/completions", {"model": "tiny", "prompt": ""}, 400, None),
         ("/v1/completions", {"model": "tiny", "prompt": [99999]}, 400, None),

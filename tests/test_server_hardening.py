@@ -57,7 +57,7 @@ def assert_error(r: httpx.Response, status: int, code: str | None = None, param:
         ({"min_p": 1.5}, "min_p"),
         ({"max_tokens": True}, "max_tokens"),
         ({"presence_penalty": 3}, "presence_penalty"),
-        ({"presence_penalty": 0.5}, "presence_penalty"),
+        ({"presence_penalty": -2.5}, "presence_penalty"),
     ],
 )
 def test_sampling_values_outside_openais_ranges_are_400s(server, fields, param):

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # a plain dataclass; named only in annotations (no torch at import)
+    from kvlab.sampling.logprobs import Logprob
 
 
 @dataclass
@@ -57,7 +61,7 @@ class RequestMetrics:
         """Where this request's time went: the `kvlab` field of the server's responses."""
         keys = ("queue_s", "prefill_s", "prefill_compute_s", "prefill_chunks", "prefill_shared_steps", "ttft_s",
                 "decode_s", "decode_steps", "mean_decode_batch", "tpot_s", "prompt_tokens", "cached_prompt_tokens",
-                "generated_tokens", "num_preemptions", "kv_blocks", "kv_cache_bytes")  # fmt: skip
+                "prefill_tokens", "generated_tokens", "num_preemptions", "kv_blocks", "kv_cache_bytes")  # fmt: skip
         d = self.to_dict()
         return {k: round(d[k], 6) if isinstance(d[k], float) else d[k] for k in keys}
 
@@ -73,16 +77,59 @@ class RequestMetrics:
 
 
 @dataclass
-class RequestOutput:
-    """A generation's result: text (stop strings removed), token ids, why it ended, what it cost."""
+class CompletionOutput:
+    """One choice of a request (n > 1 gives several): its text, tokens, why it ended, what it cost.
 
-    prompt: str | None
-    prompt_token_ids: list[int]
+    `logprobs` has one entry per generated token shown as text (end-of-sequence tokens are not), when
+    SamplingParams.logprobs asked; `cumulative_logprob` sums them (also kept to rank best_of)."""
+
+    index: int = 0
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None  # "stop" (EOS or stop string), "length" (max_tokens or context), "abort"
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
+    logprobs: list[Logprob] | None = None
+    cumulative_logprob: float | None = None
+
+
+@dataclass
+class RequestOutput:
+    """A generation's result: its choices (`outputs`, one unless n > 1), the prompt, its log-probabilities.
+
+    `text`, `token_ids`, `finish_reason` and `metrics` are the first choice's, as users reach for them.
+    `prompt_logprobs` (SamplingParams.prompt_logprobs) has one entry per prompt token, None for the first.
+    """
+
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput] = field(default_factory=lambda: [CompletionOutput()])
+    prompt_logprobs: list[Logprob | None] | None = None
     request_id: str | None = None
+
+    # the first choice's fields, flat
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @text.setter
+    def text(self, value: str) -> None:
+        self.outputs[0].text = value
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.outputs[0].finish_reason
+
+    @finish_reason.setter
+    def finish_reason(self, value: str | None) -> None:
+        self.outputs[0].finish_reason = value
+
+    @property
+    def metrics(self) -> RequestMetrics:
+        return self.outputs[0].metrics
 
     # the headline figures, flat, as users reach for them
     @property
@@ -117,4 +164,7 @@ class RequestOutput:
             "finish_reason": self.finish_reason,
         }
         d.update(self.metrics.to_dict())
+        if len(self.outputs) > 1:
+            d["choices"] = [{"index": c.index, "text": c.text, "token_ids": c.token_ids, "finish_reason": c.finish_reason}
+                            for c in self.outputs]  # fmt: skip
         return d

@@ -25,7 +25,8 @@ from kvlab.kv.cache import AttentionMetadata, build_metadata
 from kvlab.kv.paged import AttentionGroup, PagedKVCache, PagedMetadata
 from kvlab.request import Request
 from kvlab.runner.driver import ModelDriver
-from kvlab.sampling.sampler import Sampler
+from kvlab.sampling.logprobs import Logprob, prompt_logprobs
+from kvlab.sampling.sampler import BatchSampler
 from kvlab.scheduler import ScheduledChunk, SchedulerOutput, StepResult
 
 
@@ -37,12 +38,14 @@ class ModelInputs:
     meta: PagedMetadata
     logits_index: torch.Tensor  # [S] packed index of each sampling chunk's last token
     sampling: list[Request]  # the request of each logits row
+    chunks: list[ScheduledChunk] = field(default_factory=list)  # packed in this order (prompt log-probabilities)
 
 
 @dataclass
 class StepInputs:
     passes: list[ModelInputs] = field(default_factory=list)
     block_ops: list = field(default_factory=list)  # zero new blocks, copy prefix runs: done first, in order
+    prompt_logprobs: dict[str, list[Logprob]] = field(default_factory=dict)  # the forward's, per request
 
     @property
     def sampling(self) -> list[Request]:
@@ -50,14 +53,16 @@ class StepInputs:
 
 
 class ModelRunner:
-    def __init__(self, model, cache: PagedKVCache, pack_prompts: bool = True, policy: ThreadPolicy | None = None):
+    def __init__(self, model, cache: PagedKVCache, pack_prompts: bool = True, policy: ThreadPolicy | None = None,
+                 sampler: BatchSampler | None = None):  # fmt: skip
         self.model = model
         self.cache = cache
         self.device = cache.device
         self.block_size = cache.block_size
         self.pack_prompts = pack_prompts
         self.driver = ModelDriver(model, policy)
-        self.samplers: dict[str, Sampler] = {}  # per request: each owns its seeded generator
+        # every sequence's sampling state (seeded generators, penalty counts, grammar matchers)
+        self.sampler = sampler or BatchSampler(model.config.vocab_size if model is not None else 0, self.device)
 
     # ---- 1. tensors --------------------------------------------------------------------------------
 
@@ -93,7 +98,7 @@ class ModelRunner:
             lo += c.num_new_tokens
         tensor = lambda x: torch.tensor(x, dtype=torch.long, device=self.device)  # noqa: E731
         meta = PagedMetadata(positions=tensor([positions]), slot_mapping=tensor(slots), groups=groups)
-        return ModelInputs(tensor([ids]), meta, tensor(logits_index), sampling)
+        return ModelInputs(tensor([ids]), meta, tensor(logits_index), sampling, chunks)
 
     def _decode_group(self, decodes: list[ScheduledChunk]) -> AttentionGroup:
         """B sequences, one new token each: keys gathered to the longest, the rest masked."""
@@ -121,48 +126,65 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, step: StepInputs) -> torch.Tensor:
-        """Run every pass; logits [S, V] float32 for the sampling chunks, in `step.sampling` order."""
+        """Run every pass; logits [S, V] float32 for the sampling chunks, in `step.sampling` order.
+
+        Requests with prompt_logprobs also get the LM head at their prompt positions in the same pass;
+        their log-probabilities go to `step.prompt_logprobs`."""
         self.cache.apply(step.block_ops)
         rows = []
         for p in step.passes:
             # a pass with nothing to sample still needs the forward (it writes K/V); one LM-head row is cheap
             index = p.logits_index if p.sampling else p.logits_index.new_tensor([p.input_ids.shape[1] - 1])
-            logits = self.driver.run(p.input_ids, self.cache, p.meta, logits_index=index)[0]  # [S, V]
+            extra, num_sampling = _prompt_rows(p.chunks), index.numel()
+            if extra:
+                index = torch.cat([index, index.new_tensor([row for _, _, rws in extra for row in rws])])
+            logits = self.driver.run(p.input_ids, self.cache, p.meta, logits_index=index)[0]  # [S (+ prompt rows), V]
+            if extra:
+                self._prompt_logprobs(step, extra, logits[num_sampling:])
+                logits = logits[:num_sampling]
             if p.sampling:
                 rows.append(logits)
         if not rows:
             return torch.empty(0, 0)
         return rows[0] if len(rows) == 1 else torch.cat(rows)
 
+    def _prompt_logprobs(self, step: StepInputs, extra, logits: torch.Tensor) -> None:
+        at = 0
+        for request, first, rws in extra:
+            ids = request.all_token_ids
+            nxt = [ids[q + 1] for q in range(first, first + len(rws))]
+            lps = prompt_logprobs(logits[at : at + len(rws)], nxt, request.params.prompt_logprobs)
+            step.prompt_logprobs.setdefault(request.request_id, []).extend(lps)
+            at += len(rws)
+
     # ---- 3. tokens --------------------------------------------------------------------------------
 
     def sample(self, requests: list[Request], logits: torch.Tensor) -> StepResult:
-        """One token per request. Plain greedy rows in one argmax; the rest through each request's Sampler.
+        """One token per request (and the first token of each choice it forks), all rows together
+        (sampling/sampler.py's BatchSampler).
 
         Under the engine's thread policy, as the forward was: a few rows' argmax on PyTorch's threads
         woke its OpenMP workers against the kernels' pool (5.9 ms for one 49,152-row argmax at two
         threads, 0.1 ms at one, measured here)."""
         with self.driver.policy.applied(len(requests), self.device):
-            return self._sample(requests, logits)
-
-    def _sample(self, requests: list[Request], logits: torch.Tensor) -> StepResult:
-        tokens: dict[str, int] = {}
-        plain = [i for i, r in enumerate(requests) if r.params.is_greedy and r.params.repetition_penalty == 1.0]
-        if plain:
-            for i, t in zip(plain, logits[plain].argmax(dim=-1).tolist()):
-                tokens[requests[i].request_id] = t
-        for i, r in enumerate(requests):
-            if r.request_id in tokens:
-                continue
-            sampler = self.samplers.get(r.request_id)
-            if sampler is None:
-                sampler = self.samplers[r.request_id] = Sampler(r.params, self.device)
-            history = None
-            if r.params.repetition_penalty != 1.0:
-                history = torch.tensor(r.all_token_ids, device=logits.device)
-            tokens[r.request_id] = sampler(logits[i], history)
-        return StepResult({rid: [t] for rid, t in tokens.items()})
+            out = self.sampler.sample(requests, logits)
+        return StepResult({sid: [t] for sid, t in out.tokens.items()},
+                          logprobs={sid: [lp] for sid, lp in out.logprobs.items()}, forks=out.forks)  # fmt: skip
 
     def release(self, request_id: str) -> None:
-        """Forget a finished request's sampler."""
-        self.samplers.pop(request_id, None)
+        """Forget a finished sequence's sampling state."""
+        self.sampler.release(request_id)
+
+
+def _prompt_rows(chunks: list[ScheduledChunk]) -> list[tuple[Request, int, list[int]]]:
+    """For each chunk of a request that wants prompt log-probabilities: (request, first position q, packed
+    rows of positions q.. whose logits predict the prompt token at q + 1), skipping positions done before."""
+    out, offset = [], 0
+    for c in chunks:
+        r = c.request
+        if r.params.prompt_logprobs is not None:
+            first, last = max(c.start, r.num_prompt_logprobs), min(c.end, r.num_prompt_tokens - 1)
+            if first < last:
+                out.append((r, first, [offset + q - c.start for q in range(first, last)]))
+        offset += c.num_new_tokens
+    return out

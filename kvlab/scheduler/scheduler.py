@@ -22,8 +22,13 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from kvlab.kv.manager import BlockOp, KVCacheManager
+from typing import TYPE_CHECKING
+
+from kvlab.kv.manager import BlockOp, KVCacheManager, PrefixHit
 from kvlab.request import Request, RequestStatus
+
+if TYPE_CHECKING:  # no torch here: a Logprob is a plain dataclass, only named in annotations
+    from kvlab.sampling.logprobs import Logprob
 
 
 @dataclass
@@ -33,14 +38,20 @@ class StepResult:
     sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)  # request id → tokens to append
     # request id → positions computed this step whose K/V must be dropped (drafts a verifier rejected)
     num_rejected_tokens: dict[str, int] = field(default_factory=dict)
+    logprobs: dict[str, list[Logprob]] = field(default_factory=dict)  # request id → one per sampled token
+    prompt_logprobs: dict[str, list[Logprob]] = field(default_factory=dict)  # request id → prompt positions computed
+    # request id → choices that drew their first token from its prompt's logits (n > 1): the engine forks them
+    forks: dict[str, list[str]] = field(default_factory=dict)
 
     @property
     def num_sampled(self) -> int:
         return sum(len(t) for t in self.sampled_token_ids.values())
 
     def merge(self, other: StepResult) -> None:
-        self.sampled_token_ids.update(other.sampled_token_ids)
-        self.num_rejected_tokens.update(other.num_rejected_tokens)
+        for mine, theirs in ((self.sampled_token_ids, other.sampled_token_ids), (self.logprobs, other.logprobs),
+                             (self.num_rejected_tokens, other.num_rejected_tokens), (self.forks, other.forks),
+                             (self.prompt_logprobs, other.prompt_logprobs)):  # fmt: skip
+            mine.update(theirs)
 
 
 @dataclass(frozen=True)
@@ -194,6 +205,29 @@ class Scheduler:
                     self.kv.free(req)
                     req.num_computed_tokens = 0
         return got
+
+    def fork(self, parent: Request, child: Request) -> bool:
+        """Run `child` (a choice of `parent`'s request: its prompt and one sampled token) from `parent`'s
+        prompt blocks: every block shared, the partial last one copied before it is written (copy on
+        write, through KVCacheManager.truncate). Without a running parent, a free block or a seat, the
+        child waits at the front of the queue instead and recomputes (mostly prefix-cache hits).
+        Returns whether it shares."""
+        bs, prompt_len = self.kv.block_size, child.num_prompt_tokens
+        can_share = (
+            parent.status is RequestStatus.RUNNING and parent.num_computed_tokens >= prompt_len
+            and not self.config.recompute_every_step and len(self.running) < self.config.max_num_seqs
+            and (prompt_len % bs == 0 or self.kv.pool.num_free_blocks > 0)
+        )  # fmt: skip
+        if not can_share:
+            self.waiting.appendleft(child)
+            return False
+        table = self.kv.block_tables[parent.request_id][: self.kv.blocks_for(prompt_len)]
+        self.kv.allocate_slots(child, 0, PrefixHit(list(table), prompt_len))
+        child.num_computed_tokens = prompt_len
+        self.kv.truncate(child, prompt_len)  # the shared partial block becomes the child's own copy
+        child.status = RequestStatus.RUNNING
+        self.running.append(child)
+        return True
 
     def finish_request(self, req: Request, status: RequestStatus) -> None:
         """End a request (stop string, abort, EOS, length): its blocks go back to the pool."""

@@ -32,14 +32,17 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvlab.errors import KvlabError
-from kvlab.output.result import RequestOutput
 from kvlab.server import responses
-from kvlab.server.async_engine import AsyncEngine, EngineDead, StepFailed
+from kvlab.server.async_engine import AsyncEngine, EngineDead
 from kvlab.server.body import parse_json, read_body
 from kvlab.server.guard import Guard, GuardConfig
+from kvlab.server.generation import Generation
 from kvlab.server.metrics import CONTENT_TYPE, render
+from kvlab.server.logprobs import TokenText
 from kvlab.server.protocol import APIError, Limits, ParsedRequest, parse_chat, parse_completion
 
+from kvlab.server.streaming import EventStream
+from kvlab.server.tools import markers_are_tokens
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_BODY_BYTES = 4 * 2**20
@@ -94,6 +97,8 @@ def create_app(llm, engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     workers = ThreadPoolExecutor(config.tokenizer_threads, thread_name_prefix="kvlab-tokenize")
     admission = _Admission(config.max_concurrent_requests)
 
+    token_text = TokenText(llm.tokenizer)  # each token's text and bytes, for log-probabilities
+    marker_tokens = markers_are_tokens(llm.tokenizer)  # how a forced tool call's grammar names <tool_call>
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         if not engine.is_alive:
@@ -159,6 +164,13 @@ def create_app(llm, engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     async def chat_completions(request: Request, key: str | None = Depends(authorized)):
         if llm.tokenizer is None or llm.tokenizer.chat_template is None:
             message = f"model {config.model_name} has no chat template: use /v1/completions"
+    @app.get("/v1/models/{model_id:path}", dependencies=[Depends(authorized)])
+    async def model(model_id: str):
+        if model_id != config.model_name:
+            raise APIError(404, f"the model {model_id!r:.80} does not exist: this server serves "
+                           f"'{config.model_name}'", param="model", code="model_not_found")  # fmt: skip
+        return responses.model_card(config.model_name, llm.engine.max_model_len)
+
             raise APIError(400, message, param="messages")
         return await _generate(request, "chat", key)
 
@@ -167,9 +179,8 @@ def create_app(llm, engine: AsyncEngine, config: ServerConfig) -> FastAPI:
         try:
             raw = await read_body(request, config.max_body_bytes)
             parsed = await asyncio.get_running_loop().run_in_executor(workers, _prepare, kind, raw)
-            output = RequestOutput(prompt=parsed.prompt_text, prompt_token_ids=parsed.prompt_token_ids)
             salt = _cache_salt(config, key, request.headers.get(config.tenant_header), parsed)
-            queue = engine.submit(parsed.request_id, parsed.prompt_token_ids, parsed.params, output, salt)
+            run = Generation.submit(engine, parsed, salt)  # one engine request per prompt
         except EngineDead as e:
             release()
             raise APIError(503, str(e), type="server_error", code="engine_stopped") from None
@@ -177,74 +188,41 @@ def create_app(llm, engine: AsyncEngine, config: ServerConfig) -> FastAPI:
             release()
             raise
         if parsed.stream:
-            events = _events(parsed, queue, output, release)
+            stream = EventStream(parsed, config.model_name, run.outputs, token_text)
+            events = run.events(stream, release, lambda: None)
             return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         try:
-            final = await _final_or_disconnect(parsed.request_id, queue, request)
+            outputs = await run.final_or_disconnect(request)
         finally:
             release()
-        return JSONResponse(responses.response(parsed, config.model_name, final))
+        return JSONResponse(responses.response(parsed, config.model_name, outputs, token_text))
 
     def _prepare(kind: str, raw: bytes) -> ParsedRequest:
-        """In a worker thread: JSON, every field, the chat template, tokenization, the context check."""
+        """In a worker thread: JSON, every field, the chat template, tokenization, the context and
+        structured-output checks."""
         body = parse_json(raw)
         _check_model(body, config.model_name)
         try:
             if kind == "completion":
                 parsed = parse_completion(body, llm.encode, limits)
             else:
-                parsed = parse_chat(body, llm.encode_chat, limits)
+                template = llm.tokenizer.chat_template if llm.tokenizer is not None else None
+                parsed = parse_chat(body, lambda m, tools: llm.encode_chat(m, tools=tools), limits, template,
+                                    config.model_name, marker_tokens)  # fmt: skip
         except KvlabError as e:  # tokenizer or template problems with the user's input
-            raise APIError(400, str(e), param="messages" if kind == "chat" else "prompt") from None
+            raise APIError(400, str(e), param=param) from None
+        for prompt in parsed.prompts:
+            try:
+                llm.engine.check_prompt(prompt.token_ids, parsed.params.max_tokens)
+            except KvlabError as e:
+                code = "context_length_exceeded" if "context" in str(e) else None
+                raise APIError(400, str(e), param=param, code=code) from None
         try:
-            llm.engine.check_prompt(parsed.prompt_token_ids, parsed.params.max_tokens)
+            llm.engine.check_params(parsed.params)  # logit_bias ids, and the structured output compiles
+        param = "messages" if kind == "chat" else "prompt"
         except KvlabError as e:
-            code = "context_length_exceeded" if "context" in str(e) else None
-            raise APIError(400, str(e), param="messages" if kind == "chat" else "prompt", code=code) from None
+            raise APIError(400, str(e), param="logit_bias" if "logit_bias" in str(e) else parsed.constraint_param) from None
         return parsed
-
-    async def _final_or_disconnect(request_id: str, queue: asyncio.Queue, request: Request) -> RequestOutput:
-        result = asyncio.ensure_future(_until_finished(queue))
-        gone = asyncio.ensure_future(_disconnected(request))
-        try:
-            await asyncio.wait({result, gone}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            if not result.done():  # the client went away, or the server is stopping
-                engine.abort(request_id)
-            gone.cancel()
-        if not result.done():
-            result.cancel()
-            raise APIError(499, "client closed the request")
-        return result.result()
-
-    async def _events(parsed: ParsedRequest, queue: asyncio.Queue, output: RequestOutput, release):
-        """Server-sent events; if the client disconnects Starlette cancels this generator: abort."""
-        finished = False
-        model = config.model_name
-        try:
-            if parsed.kind == "chat":
-                yield _sse(responses.chunk(parsed, model, None, first=True))
-            while not finished:
-                item = await queue.get()
-                error = _item_error(item)
-                if error is not None:
-                    finished = True
-                    yield _sse(error.body())
-                    break
-                if item.new_text:
-                    yield _sse(responses.chunk(parsed, model, item.new_text))
-                if item.finished:
-                    finished = True
-                    last = responses.chunk(parsed, model, None, finish=output.finish_reason)
-                    last["kvlab"] = responses.kvlab_field(output)
-                    yield _sse(last)
-                    if parsed.include_usage:
-                        yield _sse(responses.usage_chunk(parsed, model, output))
-            yield "data: [DONE]\n\n"
-        finally:
-            release()
-            if not finished:
-                engine.abort(parsed.request_id)
 
     return app
 
@@ -272,36 +250,3 @@ def _prompt_chars_bound(llm) -> int | None:
         return None
     longest = max(map(len, llm.tokenizer.backend.get_vocab(with_added_tokens=True)))
     return llm.engine.max_model_len * longest
-
-
-def _item_error(item) -> APIError | None:
-    """What a queue item says went wrong: a failed step (500 step_failed), or a request that never ran."""
-    if isinstance(item, StepFailed) or (not isinstance(item, BaseException) and item.error is not None):
-        why = item if isinstance(item, StepFailed) else item.error
-        return APIError(500, f"the engine step that carried this request failed ({why}); other requests go on",
-                        type="server_error", code="step_failed")  # fmt: skip
-    if isinstance(item, BaseException):
-        return APIError(500, f"engine error: {item}", type="server_error", code="engine_error")
-    return None
-
-
-async def _until_finished(queue: asyncio.Queue) -> RequestOutput:
-    while True:
-        item = await queue.get()
-        error = _item_error(item)
-        if error is not None:
-            raise error
-        if item.finished:
-            return item.output
-
-
-async def _disconnected(request: Request) -> None:
-    """Returns when the client closes the connection (the body has been read already)."""
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
-
-
-def _sse(payload: dict) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"

@@ -4,11 +4,14 @@ No web framework here. Every problem with a request becomes an `APIError` with t
 error body OpenAI's API uses: {"error": {"message", "type", "param", "code"}}, naming the field.
 
 Each field is one of:
-- **used**: the prompt or messages, the sampling values (in OpenAI's documented ranges, which are
-  narrower than kvlab's own API: temperature 0-2), `stream`, `stream_options`, `cache_salt`;
+- **used**: the prompt(s) or messages, the sampling values (in OpenAI's documented ranges, which are
+  narrower than kvlab's own API: temperature 0-2), `n`, `best_of`, log-probabilities (`logprobs`,
+  `top_logprobs`, `echo`), penalties and `logit_bias`, structured outputs (`response_format`, vLLM's
+  `guided_*` and `structured_outputs`: constraints.py), tools (tools.py), `stream`,
+  `stream_options`, `cache_salt`;
 - **neutral only**: fields for features kvlab does not have, accepted at the value that changes
-  nothing (`n: 1`, `tools: []`, `logit_bias: {}`, `tool_choice: "none"`, `response_format:
-  {"type": "text"}`, ...) and refused otherwise (400, code `unsupported_value`);
+  nothing (`stop_token_ids: []`, `suffix: ""`, `modalities: ["text"]`, ...) and refused otherwise
+  (400, code `unsupported_value`);
 - **ignored**: `user` (unless the server salts the prefix cache by it), `store`, `metadata`,
   `service_tier`, and a message's `name` (docs/serving.md lists them);
 - anything else is refused (400, code `unknown_parameter`), so that a client never believes a
@@ -23,37 +26,47 @@ from typing import Any, Callable
 
 from kvlab.errors import KvlabError
 from kvlab.sampling import SamplingParams
-from kvlab.sampling.params import INT64_MAX, INT64_MIN
+from kvlab.sampling.params import INT64_MAX, INT64_MIN, MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_N, StructuredOutputs
+from kvlab.server import constraints
+from kvlab.server.errors import APIError, invalid
+from kvlab.server.tools import ToolSpec, assistant_tool_calls, template_has_tools, tool_spec
+
+__all__ = ["APIError", "Limits", "ParsedRequest", "Prompt", "invalid", "parse_chat", "parse_completion"]
 
 
-class APIError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 type: str = "invalid_request_error", headers: dict[str, str] | None = None):  # fmt: skip
-        super().__init__(message)
-        self.status, self.message, self.param, self.code, self.type = status, message, param, code, type
-        self.headers = headers
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-
-def invalid(message: str, param: str | None = None, code: str | None = None) -> APIError:
-    return APIError(400, message, param=param, code=code)
+@dataclass
+class Prompt:
+    token_ids: list[int]
+    text: str | None = None
 
 
 @dataclass
 class ParsedRequest:
-    """A completion or chat request, ready for the engine."""
+    """A completion or chat request, ready for the engine: one engine request per prompt, each with n choices."""
 
     kind: str  # "completion" or "chat"
     request_id: str
-    prompt_token_ids: list[int]
-    prompt_text: str | None
+    prompts: list[Prompt]
     params: SamplingParams
     stream: bool
     include_usage: bool
     cache_salt: str | None = None  # the client's own `cache_salt` (the server may mix a tenant into it)
     user: str | None = None
+    echo: bool = False  # completions: the prompt's text (and log-probabilities) before each choice's
+    tools: ToolSpec | None = None  # chat: the answer's tool calls are parsed (tools.py)
+    constraint_param: str | None = None  # the field a structured output came from (its compile error names it)
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.prompts[0].token_ids
+
+    @property
+    def prompt_text(self) -> str | None:
+        return self.prompts[0].text
+
+    @property
+    def num_choices(self) -> int:
+        return len(self.prompts) * self.params.n
 
 
 @dataclass(frozen=True)
@@ -67,26 +80,29 @@ class Limits:
 
 # ---- the fields -----------------------------------------------------------------------------------
 
-_NEUTRAL_ANY = {"n": (1,), "logit_bias": ({},), "stop_token_ids": ([],), "min_tokens": (0,),
-                "skip_special_tokens": (True,), "include_stop_str_in_output": (False,)}  # fmt: skip
-_NEUTRAL_COMPLETION = {"best_of": (1,), "echo": (False,), "logprobs": (), "suffix": ("",)}
+_NEUTRAL_ANY = {"stop_token_ids": ([],), "min_tokens": (0,), "skip_special_tokens": (True,),
+                "include_stop_str_in_output": (False,)}  # fmt: skip
+_NEUTRAL_COMPLETION = {"suffix": ("",)}
 _NEUTRAL_CHAT = {
-    "logprobs": (False,), "top_logprobs": (0,), "tools": ([],), "tool_choice": ("none", "auto"),
-    "parallel_tool_calls": (True, False), "response_format": ({"type": "text"},), "functions": ([],),
-    "function_call": ("none", "auto"), "modalities": (["text"],), "audio": (), "prediction": (),
+    "functions": ([],), "function_call": ("none", "auto"), "modalities": (["text"],), "audio": (), "prediction": (),
     "reasoning_effort": (), "add_generation_prompt": (True,), "echo": (False,),
 }  # fmt: skip
 IGNORED = ("user", "store", "metadata", "service_tier")
 _USED = {"model", "stream", "stream_options", "cache_salt", "max_tokens", "max_completion_tokens", "temperature",
          "top_p", "top_k", "min_p", "seed", "stop", "ignore_eos", "repetition_penalty", "presence_penalty",
-         "frequency_penalty"}  # fmt: skip
+         "frequency_penalty", "n", "logit_bias", *constraints.FIELDS}  # fmt: skip
 _FIELDS = {
-    "completion": _USED | {"prompt"} | set(IGNORED) | set(_NEUTRAL_ANY) | set(_NEUTRAL_COMPLETION),
-    "chat": _USED | {"messages"} | set(IGNORED) | set(_NEUTRAL_ANY) | set(_NEUTRAL_CHAT),
+    "completion": _USED | {"prompt", "best_of", "echo", "logprobs"} | set(IGNORED) | set(_NEUTRAL_ANY)
+    | set(_NEUTRAL_COMPLETION),
+    "chat": _USED | {"messages", "logprobs", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls"}
+    | set(IGNORED) | set(_NEUTRAL_ANY) | set(_NEUTRAL_CHAT),
 }
-ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}  # OpenAI → template
-_MESSAGE_NEUTRAL = {"tool_calls": ([],), "refusal": (), "function_call": (), "audio": ()}
-_MESSAGE_FIELDS = {"role", "content", "name", *_MESSAGE_NEUTRAL}
+# OpenAI's roles → the template's ("developer" is OpenAI's new name for "system")
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
+_MESSAGE_NEUTRAL = {"refusal": (), "function_call": (), "audio": ()}
+_MESSAGE_FIELDS = {"role", "content", "name", "tool_calls", "tool_call_id", *_MESSAGE_NEUTRAL}
+MAX_LOGIT_BIAS_ENTRIES = 1024
+MAX_PROMPTS = MAX_N  # prompts of one completions request (each prompt × n choices: at most MAX_N in all)
 MAX_STOP_CHARS = 256  # the stop matcher looks back this far at every token
 MAX_SALT_CHARS = 1024
 
@@ -146,16 +162,17 @@ def _stop(body: dict) -> tuple[str, ...]:
     return tuple(stop)
 
 
-def sampling_params(body: dict, default_max_tokens: int) -> SamplingParams:
+def sampling_params(body: dict, default_max_tokens: int, kind: str = "completion") -> SamplingParams:
     """The sampling fields, in the ranges OpenAI documents (kvlab's extras: vLLM's ranges)."""
-    for key in ("presence_penalty", "frequency_penalty"):
-        if _number(body, key, 0, -2, 2) != 0:
-            message = f"'{key}' is not supported by kvlab (only 0); see 'repetition_penalty'"
-            raise invalid(message, key, "unsupported_value")
     key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     ignore_eos = body.get("ignore_eos", False)
     if not isinstance(ignore_eos, bool):
         raise invalid("'ignore_eos' must be true or false", "ignore_eos")
+    n = _number(body, "n", 1, 1, MAX_N, integer=True)
+    best_of = _number(body, "best_of", None, 1, MAX_N, integer=True)
+    if best_of is not None and best_of < n:
+        raise invalid(f"'best_of' ({best_of}) must be at least 'n' ({n})", "best_of")
+    structured, param = constraints.structured_outputs(body)
     try:
         return SamplingParams(
             max_tokens=_number(body, key, default_max_tokens, 1, INT64_MAX, integer=True),
@@ -164,12 +181,51 @@ def sampling_params(body: dict, default_max_tokens: int) -> SamplingParams:
             top_k=_number(body, "top_k", 0, -1, INT64_MAX, integer=True),
             min_p=_number(body, "min_p", 0.0, 0, 1),
             repetition_penalty=_number(body, "repetition_penalty", 1.0, 0, 2, open_low=True),
+            presence_penalty=_number(body, "presence_penalty", 0.0, -2, 2),
+            frequency_penalty=_number(body, "frequency_penalty", 0.0, -2, 2),
+            logit_bias=_logit_bias(body),
             seed=_number(body, "seed", None, INT64_MIN, INT64_MAX, integer=True),
             stop=_stop(body),
             ignore_eos=ignore_eos,
+            n=n,
+            best_of=best_of if best_of != n else None,
+            logprobs=_logprobs(body, kind),
+            prompt_logprobs=_logprobs(body, kind) if kind == "completion" and body.get("echo") is True else None,
+            structured_outputs=structured,
         )
-    except KvlabError as e:  # kvlab's own floor (repetition_penalty below 0.01)
-        raise invalid(str(e), str(e).split(" ")[0]) from None
+    except KvlabError as e:  # kvlab's own rules (repetition_penalty below 0.01, ignore_eos with a grammar)
+        word = str(e).split(" ")[0]
+        raise invalid(str(e), word if word in body else param) from None
+
+
+def _logit_bias(body: dict) -> dict[int, float] | None:
+    """OpenAI's {"token id": bias}: ids as strings (JSON keys), biases in [-100, 100]."""
+    bias = body.get("logit_bias")
+    if bias is None:
+        return None
+    if not isinstance(bias, dict) or len(bias) > MAX_LOGIT_BIAS_ENTRIES:
+        raise invalid(f"'logit_bias' must map at most {MAX_LOGIT_BIAS_ENTRIES} token ids to biases", "logit_bias")
+    out = {}
+    for key, value in bias.items():
+        if not (isinstance(key, str) and key.isdigit() and len(key) <= 12):
+            raise invalid(f"'logit_bias' keys must be token ids, got {_show(key)}", "logit_bias")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+            raise invalid(f"'logit_bias' values must be numbers in [-100, 100], got {_show(value)}", "logit_bias")
+        out[int(key)] = float(value)
+    return out
+
+
+def _logprobs(body: dict, kind: str) -> int | None:
+    """Completions: `logprobs` k (0..20). Chat: `logprobs: true` and `top_logprobs` k (0..20)."""
+    if kind == "completion":
+        return _number(body, "logprobs", None, 0, MAX_LOGPROBS, integer=True)
+    wanted = body.get("logprobs")
+    if wanted is not None and not isinstance(wanted, bool):
+        raise invalid("'logprobs' must be true or false", "logprobs")
+    top = _number(body, "top_logprobs", None, 0, MAX_LOGPROBS, integer=True)
+    if top and not wanted:  # 0 without logprobs changes nothing (a neutral value)
+        raise invalid("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+    return (top or 0) if wanted else None
 
 
 def _stream_flags(body: dict) -> tuple[bool, bool]:
@@ -191,14 +247,22 @@ def _stream_flags(body: dict) -> tuple[bool, bool]:
     return stream, usage
 
 
-def _new(kind: str, body: dict, ids: list[int], text: str | None, default_max_tokens: int) -> ParsedRequest:
+def _new(kind: str, body: dict, default_max_tokens: int) -> ParsedRequest:
     stream, usage = _stream_flags(body)
     prefix = "cmpl" if kind == "completion" else "chatcmpl"
     user = body.get("user")
     if user is not None and not isinstance(user, str):
         raise invalid("'user' must be a string", "user")
-    return ParsedRequest(kind, f"{prefix}-{uuid.uuid4().hex}", ids, text, sampling_params(body, default_max_tokens),
-                         stream, usage, _string(body, "cache_salt", MAX_SALT_CHARS), user)  # fmt: skip
+    params = sampling_params(body, default_max_tokens, kind)
+    if stream and params.num_sequences > params.n:
+        raise invalid("'best_of' larger than 'n' cannot be streamed (the best choices are known only at the end)",
+                      "best_of")  # fmt: skip
+    echo = body.get("echo", False) if kind == "completion" else False
+    if not isinstance(echo, bool):
+        raise invalid("'echo' must be true or false", "echo")
+    return ParsedRequest(kind, f"{prefix}-{uuid.uuid4().hex}", [], params, stream, usage,
+                         _string(body, "cache_salt", MAX_SALT_CHARS), user, echo=echo,
+                         constraint_param=constraints.structured_outputs(body)[1])  # fmt: skip
 
 
 def _check_chars(n: int, limits: Limits, param: str) -> None:
@@ -211,28 +275,37 @@ def _check_chars(n: int, limits: Limits, param: str) -> None:
 
 
 def parse_completion(body: dict, encode: Callable[[str], list[int]], limits: Limits) -> ParsedRequest:
-    """POST /v1/completions: `prompt` is a string, a list of token ids, or a list of one of either."""
+    """POST /v1/completions: `prompt` is a string, a list of token ids, or a list of either (several prompts:
+    each gets n choices, numbered prompt by prompt)."""
     _check_fields(body, "completion")
     prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one
-    if isinstance(prompt, str) and prompt:
-        _check_chars(len(prompt), limits, "prompt")
-        text, ids = prompt, None
-    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        text, ids = None, list(prompt)
-    elif isinstance(prompt, list) and len(prompt) > 1:
-        raise invalid("kvlab takes one prompt per request (send several requests: they are batched)", "prompt")
-    else:
-        raise invalid("'prompt' must be a non-empty string or a list of token ids", "prompt")
-    parsed = _new("completion", body, [], text, 16)  # every field checked before the tokenizer runs
-    parsed.prompt_token_ids = encode(text) if ids is None else ids
+    single = isinstance(prompt, str) or (isinstance(prompt, list) and bool(prompt) and all(_is_id(t) for t in prompt))
+    prompts = [prompt] if single else prompt
+    if not isinstance(prompts, list) or not prompts or not all(_is_prompt(p) for p in prompts):
+        raise invalid("'prompt' must be a non-empty string, a list of token ids, or a list of those", "prompt")
+    parsed = _new("completion", body, 16)  # every field checked before the tokenizer runs
+    if len(prompts) * parsed.params.num_sequences > MAX_N:
+        raise invalid(f"{len(prompts)} prompts × {parsed.params.num_sequences} choices: at most {MAX_N} in one request",
+                      "prompt")  # fmt: skip
+    _check_chars(sum(len(p) for p in prompts if isinstance(p, str)), limits, "prompt")
+    parsed.prompts = [Prompt(encode(p), p) if isinstance(p, str) else Prompt(list(p)) for p in prompts]
     return parsed
 
 
-def parse_chat(body: dict, encode_chat: Callable[[list[dict]], list[int]], limits: Limits) -> ParsedRequest:
+def _is_id(t: Any) -> bool:
+    return isinstance(t, int) and not isinstance(t, bool)
+
+
+def _is_prompt(p: Any) -> bool:
+    return (isinstance(p, str) and bool(p)) or (isinstance(p, list) and bool(p) and all(_is_id(t) for t in p))
+
+
+def parse_chat(body: dict, encode_chat: Callable[..., list[int]], limits: Limits, template: str | None = None,
+               model: str = "", marker_tokens: bool = False) -> ParsedRequest:  # fmt: skip
     """POST /v1/chat/completions: `messages` with roles and text content (a string, text parts, or null
-    for an assistant). Without max_tokens the answer may fill the rest of the context (OpenAI's default)."""
+    for an assistant), tool results and tool calls. Without max_tokens the answer may fill the rest of
+    the context (OpenAI's default). `encode_chat(messages, tools)`; `template` is the model's chat template;
+    `marker_tokens`: its tool-call markers are tokens of their own (tools.markers_are_tokens)."""
     _check_fields(body, "chat")
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
@@ -240,9 +313,22 @@ def parse_chat(body: dict, encode_chat: Callable[[list[dict]], list[int]], limit
     if len(messages) > limits.max_messages:
         raise invalid(f"{len(messages):,} messages: at most {limits.max_messages:,} in one request", "messages")
     clean = [_message(i, m) for i, m in enumerate(messages)]
+    tools = tool_spec(body, template, model)
+    if any(m["role"] == "tool" or m.get("tool_calls") for m in clean) and not template_has_tools(template):
+        raise invalid(f"the chat template of {model} has no tools section: it cannot show tool calls or results",
+                      "messages")  # fmt: skip
     _check_chars(sum(len(m["content"]) for m in clean), limits, "messages")
-    parsed = _new("chat", body, [], None, 1)
-    parsed.prompt_token_ids = ids = encode_chat(clean)
+    parsed = _new("chat", body, 1)
+    parsed.tools = tools
+    if tools is not None:
+        tools.marker_tokens = marker_tokens
+    if tools is not None and tools.grammar() is not None:
+        if parsed.params.structured_outputs is not None:
+            raise invalid("a forced tool call ('tool_choice') cannot be combined with a structured output", "tool_choice")
+        parsed.params = replace(parsed.params, structured_outputs=StructuredOutputs(grammar=tools.grammar()))
+        parsed.constraint_param = "tools"
+    ids = encode_chat(clean, tools.tools if tools is not None else None)
+    parsed.prompts = [Prompt(ids)]
     if body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
         parsed.params = replace(parsed.params, max_tokens=max(limits.max_model_len - len(ids), 1))
     return parsed
@@ -254,14 +340,18 @@ def _message(i: int, m: Any) -> dict:
         raise invalid(f"{where} must be an object with a 'role'", "messages")
     role = m["role"]
     if role not in ROLES:
-        hint = " (kvlab has no tool calls)" if role in ("tool", "function") else ""
-        raise invalid(f"{where}.role {_show(role)} is not supported{hint}: use one of {', '.join(ROLES)}", "messages")
+        raise invalid(f"{where}.role {_show(role)} is not supported: use one of {', '.join(ROLES)}", "messages")
     for key in m:
         if key not in _MESSAGE_FIELDS:
             raise invalid(f"{where}: unrecognized field {_show(key)}", "messages", "unknown_parameter")
     for key, values in _MESSAGE_NEUTRAL.items():
         if m.get(key) is not None and not any(_same(m[key], v) for v in values):
             raise invalid(f"{where}.{key} is not supported by kvlab", "messages", "unsupported_value")
+    if m.get("tool_call_id") is not None and (role != "tool" or not isinstance(m["tool_call_id"], str)):
+        raise invalid(f"{where}.tool_call_id belongs to a 'tool' message, as a string", "messages")
+    calls = m.get("tool_calls")
+    if calls is not None and calls != [] and role != "assistant":
+        raise invalid(f"{where}.tool_calls belongs to an 'assistant' message", "messages")
     content = m.get("content")
     if content is None and role == "assistant":  # OpenAI allows it (an answer that was only tool calls)
         content = ""
@@ -269,7 +359,12 @@ def _message(i: int, m: Any) -> dict:
         content = "".join(_text_part(f"{where}.content[{j}]", p) for j, p in enumerate(content))
     elif not isinstance(content, str):
         raise invalid(f"{where}.content must be a string or a list of text parts", "messages")
-    return {"role": ROLES[role], "content": content}
+    out = {"role": ROLES[role], "content": content}
+    if calls:
+        out["tool_calls"] = assistant_tool_calls(where, calls)
+    if role == "tool" and m.get("tool_call_id") is not None:
+        out["tool_call_id"] = m["tool_call_id"]
+    return out
 
 
 def _text_part(where: str, part: Any) -> str:

@@ -1,8 +1,11 @@
 """The OpenAI wire format, outbound: results shaped into responses and server-sent events.
 
-`finish_reason` is always one of OpenAI's values: an aborted request (the server shutting down)
-reports "length" — its answer was cut short — and says "abort" only in kvlab's own field. Every
-response carries that `kvlab` field: the request's timing split, and kvlab's finish reason.
+A request has one engine request per prompt (RequestOutput), each with n choices; choice `index` is
+prompt × n + choice. `finish_reason` is always one of OpenAI's values: an aborted request (the server
+shutting down) reports "length" — its answer was cut short — and says "abort" only in kvlab's own
+field; a chat answer whose text held tool calls reports "tool_calls". Every response carries that
+`kvlab` field: the timing split of the first choice (with `choices`: every choice's, when there are
+several), and kvlab's finish reason.
 """
 
 from __future__ import annotations
@@ -10,8 +13,10 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from kvlab.output.result import RequestOutput
+from kvlab.output.result import CompletionOutput, RequestOutput
+from kvlab.server.logprobs import CompletionLogprobs, TokenText, chat_logprobs, merge
 from kvlab.server.protocol import ParsedRequest
+from kvlab.server.tools import parse_tool_calls
 
 _OPENAI_FINISH = {"stop": "stop", "length": "length", "abort": "length"}
 
@@ -20,47 +25,84 @@ def finish_reason(reason: str | None) -> str | None:
     return None if reason is None else _OPENAI_FINISH.get(reason, "stop")
 
 
-def kvlab_field(output: RequestOutput) -> dict:
-    return {**output.metrics.timing_split(), "finish_reason": output.finish_reason}
+def choices_of(req: ParsedRequest, outputs: list[RequestOutput]) -> list[tuple[int, RequestOutput, CompletionOutput]]:
+    """(wire index, its request's output, the choice) for every choice, in index order."""
+    n = req.params.n
+    return [(p * n + c.index, out, c) for p, out in enumerate(outputs) for c in out.outputs]
 
 
-def usage(output: RequestOutput) -> dict:
-    prompt, completion = len(output.prompt_token_ids), len(output.token_ids)
+def kvlab_field(outputs: RequestOutput | list[RequestOutput], req: ParsedRequest | None = None) -> dict:
+    outputs = [outputs] if isinstance(outputs, RequestOutput) else outputs
+    first = outputs[0]
+    field = {**first.metrics.timing_split(), "finish_reason": first.finish_reason}
+    if len(outputs) > 1 or len(first.outputs) > 1:
+        n = req.params.n if req is not None else len(first.outputs)
+        field["choices"] = [{"index": p * n + c.index, **c.metrics.timing_split(), "finish_reason": c.finish_reason}
+                            for p, out in enumerate(outputs) for c in out.outputs]  # fmt: skip
+    return field
+
+
+def usage(outputs: RequestOutput | list[RequestOutput]) -> dict:
+    """Prompt tokens once per prompt (its choices share it), completion tokens of every choice."""
+    outputs = [outputs] if isinstance(outputs, RequestOutput) else outputs
+    prompt = sum(len(o.prompt_token_ids) for o in outputs)
+    completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    cached = sum(o.metrics.cached_prompt_tokens for o in outputs)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": output.metrics.cached_prompt_tokens}}  # fmt: skip
+            "prompt_tokens_details": {"cached_tokens": cached}}  # fmt: skip
 
 
-def response(req: ParsedRequest, model: str, output: RequestOutput) -> dict:
+def _head(req: ParsedRequest, model: str, obj: str) -> dict:
+    return {"id": req.request_id, "object": obj, "created": int(time.time()), "model": model}
+
+
+def response(req: ParsedRequest, model: str, outputs: list[RequestOutput], text: TokenText) -> dict:
     """The whole answer (no streaming), with kvlab's timing split as an extra field."""
-    reason = finish_reason(output.finish_reason)
     if req.kind == "completion":
-        choice = {"index": 0, "text": output.text, "logprobs": None, "finish_reason": reason}
+        choices = [completion_choice(req, i, out, c, text) for i, out, c in choices_of(req, outputs)]
         obj = "text_completion"
     else:
-        choice = {"index": 0, "message": {"role": "assistant", "content": output.text}, "logprobs": None,
-                  "finish_reason": reason}  # fmt: skip
+        choices = [chat_choice(req, i, c, text) for i, _, c in choices_of(req, outputs)]
         obj = "chat.completion"
-    return {"id": req.request_id, "object": obj, "created": int(time.time()), "model": model, "choices": [choice],
-            "usage": usage(output), "kvlab": kvlab_field(output)}  # fmt: skip
+    return {**_head(req, model, obj), "choices": choices, "usage": usage(outputs), "kvlab": kvlab_field(outputs, req)}
 
 
-def chunk(req: ParsedRequest, model: str, text: str | None, finish: str | None = None, first: bool = False) -> dict:
-    """One server-sent event's payload. `text` None with a kvlab finish reason: the closing chunk."""
-    reason = finish_reason(finish)
-    if req.kind == "completion":
-        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}
-        obj = "text_completion"
-    else:
-        delta = {"role": "assistant", "content": ""} if first else ({"content": text} if text is not None else {})
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
-        obj = "chat.completion.chunk"
-    return {"id": req.request_id, "object": obj, "created": int(time.time()), "model": model, "choices": [choice]}
+def completion_choice(req: ParsedRequest, index: int, out: RequestOutput, c: CompletionOutput, text: TokenText) -> dict:
+    body, logprobs = c.text, None
+    if req.echo:
+        body = echo_text(out, text) + body
+    if c.logprobs is not None:
+        lp = CompletionLogprobs(text)
+        logprobs = lp.block(out.prompt_logprobs or [], out.prompt_token_ids) if req.echo else lp.block([])
+        logprobs = merge(logprobs, lp.block(c.logprobs))
+    return {"index": index, "text": body, "logprobs": logprobs, "finish_reason": finish_reason(c.finish_reason)}
 
 
-def usage_chunk(req: ParsedRequest, model: str, output: RequestOutput) -> dict:
+def echo_text(out: RequestOutput, text: TokenText) -> str:
+    if out.prompt is not None:
+        return out.prompt
+    return text.tokenizer.decode(out.prompt_token_ids) if text.tokenizer is not None else ""
+
+
+def chat_choice(req: ParsedRequest, index: int, c: CompletionOutput, text: TokenText) -> dict:
+    message: dict[str, Any] = {"role": "assistant", "content": c.text}
+    reason = finish_reason(c.finish_reason)
+    if req.tools is not None:
+        content, calls = parse_tool_calls(c.text, {f["name"] for f in req.tools.functions})
+        if calls:
+            message = {"role": "assistant", "content": content, "tool_calls": calls}
+            reason = "tool_calls" if c.finish_reason == "stop" else reason
+    return {"index": index, "message": message, "logprobs": chat_logprobs(c.logprobs, text), "finish_reason": reason}
+
+
+def chunk(req: ParsedRequest, model: str, choices: list[dict]) -> dict:
+    """One server-sent event's payload."""
     obj = "text_completion" if req.kind == "completion" else "chat.completion.chunk"
-    return {"id": req.request_id, "object": obj, "created": int(time.time()), "model": model, "choices": [],
-            "usage": usage(output)}  # fmt: skip
+    return {**_head(req, model, obj), "choices": choices}
+
+
+def usage_chunk(req: ParsedRequest, model: str, outputs: list[RequestOutput]) -> dict:
+    return {**chunk(req, model, []), "usage": usage(outputs)}
 
 
 def model_card(name: str, max_model_len: int) -> dict[str, Any]:
