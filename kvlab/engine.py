@@ -85,8 +85,6 @@ class LLMEngine:
                 f"(prompt and answer together): shorten the prompt" + (" or lower max_tokens" if max_tokens else "")
             )
 
-    def add_request(
-        self,
     def check_params(self, params: SamplingParams) -> None:
         """Raise KvlabError for what only this engine can judge: logit_bias ids outside the vocabulary, a
         structured output its grammar engine cannot compile (compiled grammars are cached)."""
@@ -98,6 +96,8 @@ class LLMEngine:
                 raise KvlabError("structured outputs need the model's tokenizer")
             self.grammars.compile(params.structured_outputs)
 
+    def add_request(
+        self,
         prompt_token_ids: list[int],
         params: SamplingParams,
         request_id: str | None = None,
@@ -112,20 +112,20 @@ class LLMEngine:
         With n > 1 (or best_of) the prompt is prefilled once and the other choices fork from it.
         """
         self.check_prompt(prompt_token_ids)
+        self.check_params(params)
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self._groups:
-        self.check_params(params)
             raise KvlabError(f"request id {request_id!r} is already in the engine")
-        request = Request(
-            request_id, list(prompt_token_ids), params,
         if params.prompt_logprobs is not None:
             cache_salt = f"{cache_salt}\0prompt-logprobs\0{request_id}"
+        request = Request(
+            request_id, list(prompt_token_ids), params,
             max_tokens=min(params.max_tokens, self.max_model_len - len(prompt_token_ids)),
             eos_token_ids=frozenset(self.eos_token_ids), arrival_s=arrival_s or time.perf_counter(),
             cache_salt=cache_salt,
+            fork_ids=tuple(Request.choice_id(request_id, i) for i in range(1, params.num_sequences)),
         )  # fmt: skip
         output = output or RequestOutput(prompt=None, prompt_token_ids=list(prompt_token_ids))
-            fork_ids=tuple(Request.choice_id(request_id, i) for i in range(1, params.num_sequences)),
         output.request_id = request_id
         group = self._groups[request_id] = RequestGroup.new(output, params, request_id)
         self._states[request_id] = (request, OutputState(request, self.tokenizer, output, group.choice(0)))
@@ -203,11 +203,11 @@ class LLMEngine:
         A retried request that had drawn before the failure draws again: its seeded text differs
         from a run without the failure. The forward's prompt log-probabilities join the result.
         """
+        requests = inputs.sampling
+        tokens, failed = StepResult(prompt_logprobs=dict(inputs.prompt_logprobs)), []
         try:
             tokens.merge(self.runner.sample(requests, logits))
             return tokens, []
-        requests = inputs.sampling
-        tokens, failed = StepResult(prompt_logprobs=dict(inputs.prompt_logprobs)), []
         except Exception:
             if len(requests) <= 1:
                 raise
@@ -244,9 +244,9 @@ class LLMEngine:
     def _update(self, plan: SchedulerOutput, tokens: StepResult, step_s: float) -> list[StepOutput]:
         self._account(plan, step_s)
         now = time.perf_counter()
+        self._add_prompt_logprobs(tokens)
         outputs = []
         for request in self.scheduler.update(plan, tokens) + self._fork(tokens):
-        self._add_prompt_logprobs(tokens)
             timings = request.timings
             timings.first_token_s = timings.first_token_s or now
             timings.last_token_s = now
@@ -259,8 +259,6 @@ class LLMEngine:
             outputs.append(self._finalize(request, state, out) if request.is_finished else out)
         return outputs
 
-    def _account(self, plan: SchedulerOutput, step_s: float) -> None:
-        """Each request's share of the step: a prompt chunk (prefill) or a fed-back token (decode)."""
     def _add_prompt_logprobs(self, tokens: StepResult) -> None:
         for seq_id, logprobs in tokens.prompt_logprobs.items():
             entry = self._states.get(seq_id)
@@ -294,6 +292,8 @@ class LLMEngine:
                 children.append(child)
         return children
 
+    def _account(self, plan: SchedulerOutput, step_s: float) -> None:
+        """Each request's share of the step: a prompt chunk (prefill) or a fed-back token (decode)."""
         n = len(plan.chunks)
         for c in plan.chunks:
             t = c.request.timings
@@ -333,12 +333,12 @@ class LLMEngine:
         output.metrics.peak_memory_bytes = peak_memory_bytes(self.cache.device)
         self.runner.release(request.request_id)
         del self._states[request.request_id]
-        self.stats.record_finished(output.finish_reason, output.metrics)
-        return out
         out.choice_finished = True
         out.finished = self._groups[request.group_id].finish(request.request_id)
         if out.finished:
             del self._groups[request.group_id]
+        self.stats.record_finished(output.finish_reason, output.metrics)
+        return out
 
     # ---- accounting -----------------------------------------------------------------------------------
 

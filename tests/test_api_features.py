@@ -38,7 +38,7 @@ def model_logprobs(llm, ids: list[int]) -> torch.Tensor:
     """log-softmax [T, V] at every position of one pass over `ids` (a separate pass, without the engine)."""
     from kvlab.kv.cache import NoCache
 
-    cache = NoCache.for_model(llm.config)
+    cache = NoCache(llm.config.num_layers)  # every position recomputed from the ids: no cache to trust
     logits = llm.engine.runner.driver.run(torch.tensor([ids]), cache, None, logits_index=torch.arange(len(ids)))
     return torch.log_softmax(logits[0].float(), -1)
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import numpy as np
 import torch
 
 FIRST_K = 64
@@ -35,16 +36,17 @@ def draw(logits: torch.Tensor, top_k: list[int], top_p: list[float], min_p: list
     tokens = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
     filtered = [i for i in range(len(top_k)) if is_filtered(top_k[i], top_p[i], min_p[i], vocab)]
     plain = sorted(set(range(len(top_k))) - set(filtered))
-    u = uniforms.to(logits.device)
+    u = uniforms.double().cpu().numpy()
     if plain:
         index = torch.tensor(plain, device=logits.device)
         cdf = torch.softmax(logits[index], dim=-1).cumsum(-1, dtype=torch.float64)
-        tokens[index] = _invert(cdf, u[index])
+        tokens[index] = _invert_torch(cdf, uniforms.to(logits.device)[index])
     if filtered:
         sub = logits[torch.tensor(filtered, device=logits.device)]
         for rows, ids, kept in _rounds(sub, *(_pick(x, filtered) for x in (top_k, top_p, min_p))):
-            where = torch.tensor([filtered[r] for r in rows], device=logits.device)
-            tokens[where] = ids.gather(1, _invert(kept.cumsum(-1), u[where])[:, None])[:, 0]
+            where = [filtered[r] for r in rows]
+            picked = ids[np.arange(len(rows)), _invert(np.cumsum(kept, axis=1), u[where])]
+            tokens[torch.tensor(where, device=logits.device)] = torch.from_numpy(picked).to(logits.device)
     return tokens
 
 
@@ -56,9 +58,9 @@ def filtered_probabilities(logits: torch.Tensor, top_k: list[int], top_p: list[f
     if filtered:
         sub = logits[torch.tensor(filtered, device=logits.device)]
         for rows, ids, kept in _rounds(sub, *(_pick(x, filtered) for x in (top_k, top_p, min_p))):
-            dense = torch.zeros(len(rows), vocab, dtype=torch.float64, device=logits.device)
-            dense.scatter_(1, ids, kept / kept.sum(-1, keepdim=True))
-            probs[torch.tensor([filtered[r] for r in rows], device=logits.device)] = dense.float()
+            dense = np.zeros((len(rows), vocab))
+            np.put_along_axis(dense, ids, kept / kept.sum(axis=1, keepdims=True), axis=1)
+            probs[torch.tensor([filtered[r] for r in rows], device=logits.device)] = torch.from_numpy(dense).float().to(logits.device)
     return probs
 
 
@@ -66,48 +68,52 @@ def _pick(values: list, rows: list[int]) -> list:
     return [values[i] for i in rows]
 
 
-def _invert(cdf: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+def _invert_torch(cdf: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Inverse CDF: the first position whose cumulative mass exceeds u × total (never a zero-mass one)."""
     total = cdf[:, -1:]
     target = torch.minimum(u[:, None].to(cdf.dtype) * total, torch.nextafter(total, torch.zeros_like(total)))
     return torch.searchsorted(cdf, target, right=True)[:, 0].clamp_(max=cdf.shape[1] - 1)
 
 
+def _invert(cdf: np.ndarray, u: np.ndarray) -> np.ndarray:
+    """The same on the candidates (numpy: a few hundred numbers, where torch's per-call cost dominates)."""
+    total = cdf[:, -1]
+    target = np.minimum(u * total, np.nextafter(total, 0))
+    return np.minimum((cdf <= target[:, None]).sum(axis=1), cdf.shape[1] - 1)
+
+
 def _rounds(logits: torch.Tensor, top_k: list[int], top_p: list[float], min_p: list[float]
-            ) -> Iterator[tuple[list[int], torch.Tensor, torch.Tensor]]:  # fmt: skip
-    """Yield (rows, ids [R, K], kept [R, K] float64 unnormalised masses) for rows as they are decided."""
-    vocab, device = logits.shape[1], logits.device
-    k_of = [k if 0 < k < vocab else 0 for k in top_k]
-    pending = list(range(logits.shape[0]))
-    lse = torch.logsumexp(logits, dim=-1, keepdim=True)  # [F, 1]
-    size = max(FIRST_K, max(k_of))
-    while pending:
+            ) -> Iterator[tuple[list[int], np.ndarray, np.ndarray]]:  # fmt: skip
+    """Yield (rows, ids [R, K], kept [R, K] float64 unnormalised masses) for rows as they are decided.
+
+    The vocabulary-wide passes (logsumexp, topk) are torch's; the cut on the K candidates is numpy's."""
+    vocab = logits.shape[1]
+    k_of = np.array([k if 0 < k < vocab else 0 for k in top_k])
+    tp, mp = np.array(top_p, dtype=np.float64), np.array(min_p, dtype=np.float64)
+    lse = torch.logsumexp(logits, dim=-1, keepdim=True).double().cpu().numpy()  # [F, 1]
+    pending = np.arange(logits.shape[0])
+    size = max(FIRST_K, int(k_of.max()))
+    while len(pending):
         size = min(size, vocab)
-        index = torch.tensor(pending, device=device)
-        values, ids = torch.topk(logits[index], size, dim=-1)  # [R, K], most likely first
-        p = (values.double() - lse[index].double()).exp()  # probability in the whole distribution
-        tk = torch.tensor([k_of[r] for r in pending], device=device)
-        tp = torch.tensor([top_p[r] for r in pending], dtype=torch.float64, device=device)
-        mp = torch.tensor([min_p[r] for r in pending], dtype=torch.float64, device=device)
-        keep, decided = _cut(p, tk, tp, mp, full=size == vocab)
-        done = decided.tolist()
-        rows = [r for r, d in zip(pending, done) if d]
-        if rows:
-            sel = torch.tensor([i for i, d in enumerate(done) if d], device=device)
-            yield rows, ids[sel], torch.where(keep[sel], p[sel], 0.0)
-        pending = [r for r, d in zip(pending, done) if not d]
+        sub = logits if len(pending) == logits.shape[0] else logits[torch.from_numpy(pending).to(logits.device)]
+        values, ids = torch.topk(sub, size, dim=-1)  # [R, K], most likely first
+        p = np.exp(values.double().cpu().numpy() - lse[pending])  # probability in the whole distribution
+        keep, decided = _cut(p, k_of[pending], tp[pending], mp[pending], full=size == vocab)
+        if decided.any():
+            yield pending[decided].tolist(), ids.cpu().numpy()[decided], np.where(keep[decided], p[decided], 0.0)
+        pending = pending[~decided]
         size *= GROWTH
 
 
-def _cut(p: torch.Tensor, tk: torch.Tensor, tp: torch.Tensor, mp: torch.Tensor, full: bool):
+def _cut(p: np.ndarray, tk: np.ndarray, tp: np.ndarray, mp: np.ndarray, full: bool) -> tuple[np.ndarray, np.ndarray]:
     """The kept positions [R, K] of candidates sorted most likely first, and whether each row is decided."""
-    positions = torch.arange(p.shape[1], device=p.device)
+    positions = np.arange(p.shape[1])
     has_k, has_p, has_m = tk > 0, tp < 1.0, mp > 0.0
     keep = ~has_k[:, None] | (positions[None, :] < tk[:, None])
     # top-p on the distribution renormalised to the top-k (the candidates hold all k of them)
-    mass = torch.where(has_k, (p * keep).sum(-1), torch.ones_like(tp))
+    mass = np.where(has_k, (p * keep).sum(axis=1), 1.0)
     rel = p / mass[:, None]
-    cum = rel.cumsum(-1)
+    cum = np.cumsum(rel, axis=1)
     keep &= ~has_p[:, None] | ((cum - rel) < tp[:, None])  # drop a token once those before it reach top_p
     keep &= ~has_m[:, None] | (p >= mp[:, None] * p[:, :1])
     decided = has_k | (has_p & (cum[:, -1] >= tp)) | (has_m & (p[:, -1] < mp * p[:, 0]))

@@ -35,14 +35,14 @@ from kvlab.errors import KvlabError
 from kvlab.server import responses
 from kvlab.server.async_engine import AsyncEngine, EngineDead
 from kvlab.server.body import parse_json, read_body
-from kvlab.server.guard import Guard, GuardConfig
 from kvlab.server.generation import Generation
-from kvlab.server.metrics import CONTENT_TYPE, render
+from kvlab.server.guard import Guard, GuardConfig
 from kvlab.server.logprobs import TokenText
+from kvlab.server.metrics import CONTENT_TYPE, render
 from kvlab.server.protocol import APIError, Limits, ParsedRequest, parse_chat, parse_completion
-
 from kvlab.server.streaming import EventStream
 from kvlab.server.tools import markers_are_tokens
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_BODY_BYTES = 4 * 2**20
@@ -96,9 +96,9 @@ def create_app(llm, engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     limits = Limits(llm.engine.max_model_len, config.max_prompt_chars or _prompt_chars_bound(llm), config.max_messages)
     workers = ThreadPoolExecutor(config.tokenizer_threads, thread_name_prefix="kvlab-tokenize")
     admission = _Admission(config.max_concurrent_requests)
-
     token_text = TokenText(llm.tokenizer)  # each token's text and bytes, for log-probabilities
     marker_tokens = markers_are_tokens(llm.tokenizer)  # how a forced tool call's grammar names <tool_call>
+
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         if not engine.is_alive:
@@ -156,6 +156,13 @@ def create_app(llm, engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     async def models():
         return {"object": "list", "data": [responses.model_card(config.model_name, llm.engine.max_model_len)]}
 
+    @app.get("/v1/models/{model_id:path}", dependencies=[Depends(authorized)])
+    async def model(model_id: str):
+        if model_id != config.model_name:
+            raise APIError(404, f"the model {model_id!r:.80} does not exist: this server serves "
+                           f"'{config.model_name}'", param="model", code="model_not_found")  # fmt: skip
+        return responses.model_card(config.model_name, llm.engine.max_model_len)
+
     @app.post("/v1/completions")
     async def completions(request: Request, key: str | None = Depends(authorized)):
         return await _generate(request, "completion", key)
@@ -164,13 +171,6 @@ def create_app(llm, engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     async def chat_completions(request: Request, key: str | None = Depends(authorized)):
         if llm.tokenizer is None or llm.tokenizer.chat_template is None:
             message = f"model {config.model_name} has no chat template: use /v1/completions"
-    @app.get("/v1/models/{model_id:path}", dependencies=[Depends(authorized)])
-    async def model(model_id: str):
-        if model_id != config.model_name:
-            raise APIError(404, f"the model {model_id!r:.80} does not exist: this server serves "
-                           f"'{config.model_name}'", param="model", code="model_not_found")  # fmt: skip
-        return responses.model_card(config.model_name, llm.engine.max_model_len)
-
             raise APIError(400, message, param="messages")
         return await _generate(request, "chat", key)
 
@@ -202,6 +202,7 @@ def create_app(llm, engine: AsyncEngine, config: ServerConfig) -> FastAPI:
         structured-output checks."""
         body = parse_json(raw)
         _check_model(body, config.model_name)
+        param = "messages" if kind == "chat" else "prompt"
         try:
             if kind == "completion":
                 parsed = parse_completion(body, llm.encode, limits)
@@ -219,7 +220,6 @@ def create_app(llm, engine: AsyncEngine, config: ServerConfig) -> FastAPI:
                 raise APIError(400, str(e), param=param, code=code) from None
         try:
             llm.engine.check_params(parsed.params)  # logit_bias ids, and the structured output compiles
-        param = "messages" if kind == "chat" else "prompt"
         except KvlabError as e:
             raise APIError(400, str(e), param="logit_bias" if "logit_bias" in str(e) else parsed.constraint_param) from None
         return parsed
