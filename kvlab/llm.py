@@ -23,7 +23,7 @@ import torch
 from kvlab.config import EngineConfig
 from kvlab.engine import LLMEngine
 from kvlab.errors import KvlabError
-from kvlab.kernels import ThreadPolicy
+from kvlab.kernels import ThreadPolicy, cpu_load
 from kvlab.model.loader import load_model
 from kvlab.output.result import RequestOutput
 from kvlab.sampling import SamplingParams
@@ -56,18 +56,23 @@ class LLM:
         quantization: str | None = None,
         **engine_options: Any,
     ):
-        """`threads`: CPU threads of this LLM's passes (its own thread policy; default: torch's count).
+        """`threads`: CPU threads of this LLM's passes (its own thread policy; default: torch's count, fewer
+        when other programs keep cores busy, see kernels/cpu_load.py; `cpu_load` says what was measured).
         `dequantize`: expand a GGUF file's blocks to `dtype` floats at load (default: compute with them
         as stored). `quantization`: "q8_0" or "q4_0" blocks made from a float checkpoint at load.
         `engine_options` are EngineConfig fields: block_size, kv_memory_bytes, kv_memory_fraction,
         max_num_seqs, max_num_batched_tokens, enable_prefix_caching, pack_prompts."""
         if threads is not None and threads < 1:
             raise KvlabError(f"threads must be at least 1, got {threads}")
-        self.policy = ThreadPolicy(threads=threads or torch.get_num_threads())
+        before_load = cpu_load.snapshot() if torch.device(device).type == "cpu" else None
         self.loaded = load_model(model, dtype=dtype, device=device, max_positions=max_model_len,
                                  dequantize=dequantize, quantization=quantization)  # fmt: skip
+        # other programs' load on our CPUs while the model loaded: fewer threads when they hold a core
+        self.cpu_load = cpu_load.measure(before_load)
+        default = torch.get_num_threads()
+        self.policy = ThreadPolicy(threads=threads or (self.cpu_load.threads_for(default) if self.cpu_load else default))
         self.config = self.loaded.config
-        self.tokenizer = _load_tokenizer(self.loaded.path)
+        self.tokenizer = _load_tokenizer(self.loaded)
         try:
             engine_config = EngineConfig(max_model_len=max_model_len, use_cache=use_cache, **engine_options)
         except TypeError as e:
@@ -187,10 +192,12 @@ class TextStream:
                 self.done = True
 
 
-def _load_tokenizer(path: Path):
+def _load_tokenizer(loaded):
     """The model's tokenizer, or None for a directory without one (tiny test models)."""
     from kvlab.tokenizer import Tokenizer
 
-    if path.is_dir() and not (path / "tokenizer.json").is_file():
+    if loaded.gguf is not None:  # the loader's parse of the file: its vocabulary is not read twice
+        return Tokenizer.from_gguf_file(loaded.gguf)
+    if loaded.path.is_dir() and not (loaded.path / "tokenizer.json").is_file():
         return None
-    return Tokenizer.load(path)
+    return Tokenizer.load(loaded.path)

@@ -12,6 +12,7 @@ from kvlab.config import ModelConfig, load_config, read_json
 from kvlab.config.gguf import config_from_gguf
 from kvlab.errors import KvlabError
 from kvlab.gguf_file import GGUFFile
+from kvlab.model.auto_dtype import auto_dtype
 from kvlab.model.registry import architecture_of, check_architecture_name
 from kvlab.model.rope import RotaryEmbedding
 from kvlab.model.transformer import Transformer
@@ -29,6 +30,7 @@ class LoadedModel:
     path: Path  # the .gguf file or the directory it came from
     load_s: float
     weight_format: str = ""  # how the matrices are held: 'float32', 'Q4_1 + Q8_0 (as stored)', ...
+    gguf: GGUFFile | None = None  # the parsed file (its tokenizer is read from the same parse)
 
     @property
     def weight_bytes(self) -> int:
@@ -65,13 +67,15 @@ def load_model(
 ) -> LoadedModel:
     """Read the config and weights of `source` and build the model on `device`.
 
-    `dtype` is the activations' (and every float weight's) type. A GGUF file's matrices stay in their
-    own block formats unless `dequantize` expands them to `dtype` at load (the float path, for
-    comparisons); `quantization` ("q8_0", "q4_0") turns a float checkpoint's matrices into blocks.
+    `dtype` is the activations' (and every float weight's) type, or "auto" (model/auto_dtype.py). A GGUF
+    file's matrices stay in their own block formats unless `dequantize` expands them to `dtype` at load
+    (the float path, for comparisons); `quantization` ("q8_0", "q4_0") turns a float checkpoint's matrices into blocks.
     """
     start = time.perf_counter()
-    dtype, device = parse_dtype(dtype), torch.device(device)
+    device = torch.device(device)
+    dtype = dtype if dtype == "auto" else parse_dtype(dtype)  # "auto" is resolved once the config is read
     path = resolve_source(source)
+    gguf = None
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise KvlabError(f"no config.json in {path}: a model directory needs one")
@@ -89,6 +93,8 @@ def load_model(
         tensors = iter_gguf(gguf, config, architecture.gguf_permuted_qk, native=native)
     else:
         raise KvlabError(f"no such model file or directory: {path}")
+    if dtype == "auto":
+        dtype = parse_dtype(auto_dtype(config, device))
     if quantization is not None and quantization not in QUANTIZATIONS:
         raise KvlabError(f"unknown --quantization {quantization!r}: choose one of {', '.join(QUANTIZATIONS)}")
     with torch.device("meta"):
@@ -100,7 +106,7 @@ def load_model(
     model.rotary = RotaryEmbedding(config.rope, config.head_dim, positions).to(device)
     model.eval()
     return LoadedModel(model=model, config=config, path=path, load_s=time.perf_counter() - start,
-                       weight_format=weight_format(model, quantization))  # fmt: skip
+                       weight_format=weight_format(model, quantization), gguf=gguf)  # fmt: skip
 
 
 def keeps_blocks(path: Path, device: torch.device, dequantize: bool = False, quantization: str | None = None) -> bool:
