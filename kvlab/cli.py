@@ -19,15 +19,64 @@ COMMAND_MODULES = [
     "kvlab.memory.cli",
     "kvlab.lab.cli",
     "kvlab.server.cli",
+    "kvlab.ps_cli",
     "kvlab.bench.cli",
 ]
 
 
+class HelpWithDefaults(argparse.HelpFormatter):
+    """Help that ends each option with its default, unless the text already says it or there is none
+    to show (None, False, an empty list)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        nothing = default is None or default is False or default == [] or default == argparse.SUPPRESS  # not 0
+        if "default" in text or nothing or not action.option_strings:
+            return text
+        return f"{text} (default {default})" if text else f"default {default}"
+
+
+class Parser(argparse.ArgumentParser):
+    """Every kvlab parser, subcommands included (argparse hands the class down): no prefix matching, so
+    `--device` is never read as `--device-memory`, and help that shows the defaults."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
+        kwargs.setdefault("formatter_class", HelpWithDefaults)
+        super().__init__(*args, **kwargs)
+
+
+def version_text() -> str:
+    """kvlab's version with torch's and Python's (read from package metadata: torch is not imported)."""
+    from importlib import metadata
+
+    from kvlab import __version__
+
+    try:
+        torch_version = metadata.version("torch")
+    except metadata.PackageNotFoundError:
+        torch_version = "not installed"
+    return f"kvlab {__version__} (torch {torch_version}, Python {sys.version.split()[0]})"
+
+
+class VersionAction(argparse.Action):
+    """`--version`, its text made only when asked (reading package metadata costs tens of ms)."""
+
+    def __init__(self, option_strings, dest, **kwargs):
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(version_text())
+        parser.exit()
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="kvlab",
         description="Run LLMs with a hand-written decoder and measure what inference costs.",
     )
+    parser.add_argument("--version", action=VersionAction, help="print kvlab's, torch's and Python's versions")
     parser.add_argument("--debug", action="store_true", help="show tracebacks for errors")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in COMMAND_MODULES:

@@ -10,34 +10,45 @@ from kvlab.errors import KvlabError
 
 
 def register(subparsers) -> None:
-    run = subparsers.add_parser("run", help="generate from a prompt and print the cost of each phase")
+    run = subparsers.add_parser(
+        "run", help="generate from a prompt and print the cost of each phase",
+        description="Generate from PROMPT (or standard input), then print what each phase cost. Without a "
+                    "prompt on a terminal it opens the chat. A registry model that is not pulled yet is pulled first.",
+    )  # fmt: skip
     run.add_argument("model", help="registry name (see `kvlab list`), .gguf file, or Hugging Face directory")
-    run.add_argument("prompt", help="the prompt text ('-' reads standard input)")
+    run.add_argument("prompt", nargs="?",
+                     help="the prompt text ('-' or none: standard input; none on a terminal: the chat)")  # fmt: skip
     run.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    run.add_argument("--system", help="system message (with --chat)")
+    run.add_argument("--system", help="system message (with --chat, and in the chat)")
     run.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     _add_model_args(run)
-    _add_sampling_args(run, default_temperature=0.0)
+    _add_sampling_args(run)
     run.set_defaults(func=cmd_run)
 
-    chat = subparsers.add_parser("chat", help="interactive multi-turn chat that keeps the KV cache between turns")
+    chat = subparsers.add_parser(
+        "chat", help="interactive multi-turn chat that keeps the KV cache between turns",
+        description="Chat with MODEL; /help lists the commands. Ctrl-C stops an answer, Ctrl-D (or Ctrl-C at "
+                    "an empty prompt twice) leaves.",
+    )  # fmt: skip
     chat.add_argument("model", help="registry name, .gguf file, or Hugging Face directory")
     chat.add_argument("--system", help="system message")
     _add_model_args(chat)
-    _add_sampling_args(chat, default_temperature=0.7)
+    _add_sampling_args(chat)
     chat.set_defaults(func=cmd_chat)
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
-    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
-                   help="activations and float weights (default float32)")
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="activations and float weights; auto: the checkpoint's own, float32 on a CPU where "
+                        "its 16-bit type is slower (default auto)")  # fmt: skip
     g.add_argument("--dequantize", action="store_true",
                    help="expand a GGUF file's quantized blocks to --dtype floats at load (default: compute with them)")
     g.add_argument("--quantization", choices=["q8_0", "q4_0"],
                    help="quantize a float checkpoint's weights to these GGUF blocks at load")
     g.add_argument("--device", default="cpu", help="torch device: cpu, cuda, cuda:1, … (default cpu)")
-    g.add_argument("--threads", type=int, help="CPU threads for torch (default: torch's choice)")
+    g.add_argument("--threads", type=int,
+                   help="CPU threads (default: one per core, fewer when other programs keep cores busy)")
     g.add_argument("--max-model-len", type=int, help="context length to allow (default: the model's)")
     g.add_argument("--no-cache", action="store_true", help="recompute the whole sequence every step (slow)")
     add_engine_args(p)
@@ -77,15 +88,17 @@ def engine_options(args) -> dict:
     )
 
 
-def _add_sampling_args(p: argparse.ArgumentParser, default_temperature: float) -> None:
+def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("sampling")
-    g.add_argument("--max-tokens", type=int, default=256)
-    g.add_argument("--temperature", type=float, default=default_temperature, help="0 is greedy")
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0, help="0 or -1: off")
-    g.add_argument("--min-p", type=float, default=0.0)
-    g.add_argument("--repetition-penalty", type=float, default=1.0)
-    g.add_argument("--seed", type=int)
+    g.add_argument("--max-tokens", type=int, default=256, help="tokens to generate at most")
+    # greedy by default: small models sample nonsense at 0.7 (SmolLM2: "Estão La Ville … is the capital
+    # of France"; its first token has "The" at 15%, "L" at 14%), greedy they answer Paris
+    g.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    g.add_argument("--top-p", type=float, default=1.0, help="keep the most likely tokens up to this probability")
+    g.add_argument("--top-k", type=int, default=0, help="keep this many most likely tokens; 0 or -1: off")
+    g.add_argument("--min-p", type=float, default=0.0, help="drop tokens below this share of the likeliest")
+    g.add_argument("--repetition-penalty", type=float, default=1.0, help="1 is off")
+    g.add_argument("--seed", type=int, help="random seed of the sampler (default: a fresh one)")
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     g.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
 
@@ -106,19 +119,31 @@ def sampling_params(args):
     )
 
 
-def check_model_args(args) -> None:
+def check_model_args(args, resolve_dtype: bool = True) -> None:
+    """Check the model and engine flags, pull a registry model that is not there yet, and (with
+    `resolve_dtype`) turn `--dtype auto` into the dtype it means for this checkpoint and device."""
+    from kvlab import hub
+
     if args.threads is not None and args.threads < 1:
         raise KvlabError(f"--threads must be at least 1, got {args.threads}")
     if args.max_model_len is not None and args.max_model_len < 2:
         raise KvlabError(f"--max-model-len must be at least 2, got {args.max_model_len}")
     _check_device(args.device)
+    hub.ensure_pulled(str(args.model))
+    if resolve_dtype and args.dtype == "auto":
+        import torch
+
+        from kvlab.config import load_config
+        from kvlab.model.auto_dtype import auto_dtype
+
+        args.dtype = auto_dtype(load_config(hub.resolve_model(str(args.model))), torch.device(args.device))
 
 
 def open_llm(args, **overrides):
     """An LLM (the serving engine inside) from the model and engine flags."""
     from kvlab.llm import LLM
 
-    check_model_args(args)
+    check_model_args(args, resolve_dtype=False)  # the loader resolves "auto" from the one parse of the file
     options = {**engine_options(args), **overrides}
     return LLM(
         args.model,
@@ -144,10 +169,26 @@ def _check_device(device: str) -> None:
         raise KvlabError("--device cuda asked for, but torch sees no CUDA device here")
 
 
+def read_prompt(args) -> str | None:
+    """The prompt: the argument, or standard input ('-', or no argument and input piped in) without its
+    trailing newline; None when there is none and input is a terminal (the chat opens instead)."""
+    if args.prompt is not None and args.prompt != "-":
+        return args.prompt
+    if args.prompt is None and sys.stdin.isatty():
+        return None
+    text = sys.stdin.read().rstrip("\r\n")
+    if not text:
+        raise KvlabError("no prompt: standard input was empty; give the prompt as an argument or pipe it in")
+    return text
+
+
 def cmd_run(args) -> int:
     params = sampling_params(args)  # validate before the slow model load
-    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    prompt = read_prompt(args)
+    if prompt is None:
+        return cmd_chat(args)
     llm = open_llm(args)
+    warn_if_busy(llm, args)
     if args.chat:
         messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
             {"role": "user", "content": prompt}
@@ -169,52 +210,42 @@ def cmd_run(args) -> int:
 
 
 def cmd_chat(args) -> int:
-    params = sampling_params(args)
-    llm = open_llm(args)
-    if llm.tokenizer is None or llm.tokenizer.chat_template is None:
-        raise KvlabError(f"{args.model} has no chat template: use `kvlab run` with a raw prompt")
-    session = llm.new_session() if not args.no_cache else None
-    messages = [{"role": "system", "content": args.system}] if args.system else []
-    print(f"kvlab chat with {args.model} ({args.dtype}, {args.device}). /reset clears, /exit or Ctrl-D ends.",
-          file=sys.stderr)  # fmt: skip
-    try:
-        while True:
-            try:
-                line = input(">>> ")
-            except EOFError:
-                print(file=sys.stderr)
-                return 0
-            if line.strip() in ("/exit", "/quit", "/bye"):
-                return 0
-            if line.strip() == "/reset":
-                messages = messages[:1] if args.system else []
-                session = llm.new_session() if session is not None else None
-                continue
-            if not line.strip():
-                continue
-            messages.append({"role": "user", "content": line})
-            stream = llm.chat_stream(messages, params, session=session)
-            for piece in stream:
-                sys.stdout.write(piece)
-                sys.stdout.flush()
-            sys.stdout.write("\n")
-            messages.append({"role": "assistant", "content": stream.output.text})
-            m = stream.output.metrics
-            print(f"[prefilled {m.prefill_tokens} new tokens, {m.cached_prompt_tokens} reused from the cache; "
-                  f"TTFT {m.ttft_s * 1000:.0f} ms; decode {m.decode_tok_s:.1f} tok/s; "
-                  f"KV cache {_mib(m.kv_cache_bytes)}]", file=sys.stderr)  # fmt: skip
-    except KeyboardInterrupt:
-        print("\n[chat ended]", file=sys.stderr)
-        return 0
+    from kvlab.chat_cli import run_chat
+
+    return run_chat(args)
+
+
+def threads_text(llm, args) -> str:
+    """"2 threads", or why there are fewer (or why they may wait): other programs' load on the cores."""
+    n = llm.policy.threads
+    text = f"{n} thread{'s' if n != 1 else ''}"
+    load = llm.cpu_load
+    if load is not None and load.is_busy:
+        text += f" ({'--threads; ' if args.threads else ''}{load.describe()})"
+    return text
+
+
+def warn_if_busy(llm, args, file=None) -> None:
+    """One line when --threads asks for more threads than other programs leave cores free."""
+    load = llm.cpu_load
+    if args.threads and load is not None and load.is_busy and args.threads > load.threads_for(args.threads):
+        print(f"kvlab: warning: {load.describe()}; --threads {args.threads} will wait on them "
+              f"({load.threads_for(args.threads)} would not)", file=file or sys.stderr)  # fmt: skip
+
+
+def dtype_text(llm, args) -> str:
+    dtype = str(llm.loaded.model.dtype).removeprefix("torch.")
+    return f"{dtype} (auto)" if args.dtype == "auto" else dtype
 
 
 def _json_output(llm, out, args) -> dict:
     d = out.to_dict()
     d.update(
         model=str(args.model),
-        dtype=args.dtype,
+        dtype=str(llm.loaded.model.dtype).removeprefix("torch."),
         device=args.device,
         threads=llm.policy.threads,
+        cpu_others_busy=llm.cpu_load.others_busy if llm.cpu_load else None,
         use_cache=not args.no_cache,
         weight_format=llm.loaded.weight_format,
         weight_bytes=llm.loaded.weight_bytes,
@@ -235,7 +266,7 @@ def print_report(llm, out, args, file) -> None:
         f"{_mib(m.kv_cache_allocated_bytes)} allocated"
     )  # fmt: skip
     lines = [
-        f"── {args.model}: {args.dtype} on {args.device}, {llm.policy.threads} threads, weights "
+        f"── {args.model}: {dtype_text(llm, args)} on {args.device}, {threads_text(llm, args)}, weights "
         f"{llm.loaded.weight_format} {llm.loaded.weight_bytes / 1e6:.1f} MB, loaded in {llm.loaded.load_s:.2f} s",
         f"prompt     {m.prompt_tokens:6d} tokens   prefill {m.prefill_s:7.3f} s  {m.prefill_tok_s:8.1f} tok/s   "
         f"TTFT {m.ttft_s * 1000:.0f} ms",

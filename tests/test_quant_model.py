@@ -122,12 +122,13 @@ def test_a_block_type_kvlab_cannot_compute_with_is_named_with_its_tensor(tmp_pat
 
 def test_the_servers_memory_plan_plans_the_bytes_the_packed_model_holds(files, native, capsys):
     from kvlab.cli import build_parser
-    from kvlab.generate_cli import engine_options, open_llm
+    from kvlab.generate_cli import check_model_args, engine_options, open_llm
     from kvlab.server.cli import print_plan
 
     _, _, path = files
     for extra in ([], ["--dequantize"], ["--quantization", "q8_0"]):
         args = build_parser().parse_args(["serve", str(path), "--kv-memory", "1MiB", "--max-model-len", "256", *extra])
+        check_model_args(args)  # as `kvlab serve` does first: --dtype auto becomes the dtype it means
         options = engine_options(args)
         _, planned = print_plan(args, options)
         llm = open_llm(args, **options)

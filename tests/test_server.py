@@ -251,10 +251,11 @@ def _greedy(n: int):
 
 def test_serve_prints_its_memory_plan_then_the_measured_figures(tiny_chat_model, capsys):
     from kvlab.cli import build_parser
-    from kvlab.generate_cli import engine_options, open_llm
+    from kvlab.generate_cli import check_model_args, engine_options, open_llm
     from kvlab.server.cli import print_measured, print_plan
 
     args = build_parser().parse_args(["serve", str(tiny_chat_model), "--kv-memory", "1MiB", "--max-model-len", "256"])
+    check_model_args(args)  # as `kvlab serve` does first: --dtype auto becomes the dtype it means
     options = engine_options(args)
     plan, weights = print_plan(args, options)
     llm = open_llm(args, **{**options, "kv_memory_bytes": plan.nbytes})
