@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP API (FastAPI), in front of one AsyncEngine.
 
     POST /v1/completions, /v1/chat/completions   streaming (server-sent events, `data: [DONE]`) or not
-    GET  /v1/models, /health, /metrics
+    GET  /v1/models, /health, /metrics, /api/ps (what the server holds, for `kvlab ps`)
 
 A generation request goes: the guard (Host, Origin, Content-Type: `guard.py`) → the API key →
 admission (at most `max_concurrent_requests` in flight, 429 beyond) → the body, read on the event
@@ -23,6 +23,7 @@ import hashlib
 import hmac
 import json
 import logging
+import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -42,6 +43,7 @@ from kvlab.server.metrics import CONTENT_TYPE, render
 from kvlab.server.protocol import APIError, Limits, ParsedRequest, parse_chat, parse_completion
 from kvlab.server.streaming import EventStream
 from kvlab.server.tools import markers_are_tokens
+from kvlab.server.ps import ps_payload
 
 logger = logging.getLogger(__name__)
 
@@ -151,6 +153,12 @@ def create_app(llm, engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     @app.get("/metrics", dependencies=[Depends(metrics_authorized)])
     async def metrics():
         return PlainTextResponse(render(llm.engine, config.model_name), media_type=CONTENT_TYPE)
+
+    started = time.time()
+
+    @app.get("/api/ps", dependencies=[Depends(authorized)])
+    async def ps():  # what this server holds, for `kvlab ps` (ollama's path and shape)
+        return ps_payload(llm, config.model_name, started)
 
     @app.get("/v1/models", dependencies=[Depends(authorized)])
     async def models():
