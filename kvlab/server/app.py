@@ -34,6 +34,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvlab.errors import KvlabError
 from kvlab.server import responses
+from kvlab.server.access_log import log_request
 from kvlab.server.async_engine import AsyncEngine, EngineDead
 from kvlab.server.body import parse_json, read_body
 from kvlab.server.generation import Generation
@@ -116,6 +117,7 @@ def create_app(llm, engine: AsyncEngine, config: ServerConfig) -> FastAPI:
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, e: APIError):
+        log_request(request, e.status)
         return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
     @app.exception_handler(StarletteHTTPException)
@@ -183,6 +185,7 @@ def create_app(llm, engine: AsyncEngine, config: ServerConfig) -> FastAPI:
         return await _generate(request, "chat", key)
 
     async def _generate(request: Request, kind: str, key: str | None):
+        started = time.perf_counter()
         release = admission.enter()
         try:
             raw = await read_body(request, config.max_body_bytes)
@@ -195,14 +198,16 @@ def create_app(llm, engine: AsyncEngine, config: ServerConfig) -> FastAPI:
         except BaseException:
             release()
             raise
+        output = run.outputs[0]
         if parsed.stream:
             stream = EventStream(parsed, config.model_name, run.outputs, token_text)
-            events = run.events(stream, release, lambda: None)
+            events = run.events(stream, release, lambda: log_request(request, 200, started, output, True))
             return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         try:
             outputs = await run.final_or_disconnect(request)
         finally:
             release()
+        log_request(request, 200, started, output)
         return JSONResponse(responses.response(parsed, config.model_name, outputs, token_text))
 
     def _prepare(kind: str, raw: bytes) -> ParsedRequest:

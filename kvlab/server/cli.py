@@ -132,9 +132,11 @@ SHUTDOWN_GRACE_S = 10.0  # after Ctrl-C, running requests get this long to finis
 def run_server(llm, config, sock: socket.socket, log_level: str = "warning") -> int:
     import uvicorn
 
+    from kvlab.server import access_log
     from kvlab.server.app import create_app
     from kvlab.server.async_engine import AsyncEngine
 
+    access_log.configure(log_level)  # one line per request, as vLLM and llama.cpp print
     host, port = sock.getsockname()[:2]
     engine = AsyncEngine(llm.engine)
     app = create_app(llm, engine, config)
