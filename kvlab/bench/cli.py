@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import sys
 
+from kvlab.deps import require
 from kvlab.errors import KvlabError
 
 
@@ -46,10 +47,16 @@ def cmd_bench_serve(args) -> int:
     workload = Workload(args.num_requests, args.concurrency, args.prompt_len, args.output_len,
                         args.shared_prefix_len, args.seed, args.max_duration)  # fmt: skip
     if args.url:
+        require("httpx", "kvlab bench serve --url")  # before any work, as on every command
+        import httpx
+
         try:
             result = run_http(args.url, workload, args.served_model_name, args.api_key or os.environ.get("KVLAB_API_KEY"))
         except OSError as e:
             raise KvlabError(f"cannot reach {args.url}: {e}") from None
+        except httpx.HTTPStatusError as e:  # the server refused a request: say what it said, in one line
+            detail = " ".join(e.response.text.split())[:200]
+            raise KvlabError(f"{args.url} answered {e.response.status_code} to {e.request.url.path}: {detail}") from None
     else:
         from kvlab.generate_cli import open_llm
 

@@ -164,8 +164,7 @@ async def _run_http(url: str, workload: Workload, model: str | None, api_key: st
     async with httpx.AsyncClient(base_url=url, headers=headers, timeout=httpx.Timeout(None, connect=10)) as client:
         cards = (await client.get("/v1/models")).raise_for_status().json()["data"]
         model = model or cards[0]["id"]
-        vocab = 32000  # token ids the model certainly knows; the server checks them
-        prompts = workload.prompts(vocab)
+        prompts = workload.prompts(await _vocab_size(client))
         before = _prefix_counters((await client.get("/metrics")).text)
         semaphore = asyncio.Semaphore(workload.concurrency)
         start = time.perf_counter()
@@ -187,6 +186,18 @@ async def _run_http(url: str, workload: Workload, model: str | None, api_key: st
     dq, dh = after[0] - before[0], after[1] - before[1]
     aborted = sum(r.finish_reason == "abort" for r in records)
     return BenchResult(url, workload, duration, records, dh / dq if dq else 0.0, aborted)
+
+
+async def _vocab_size(client) -> int:
+    """Token ids the served model knows (the server checks them): its vocabulary, from a kvlab server's
+    /api/ps; 32,000 from another server (every real model's vocabulary is larger)."""
+    import httpx
+
+    try:
+        response = await client.get("/api/ps")
+        return int(response.raise_for_status().json()["models"][0]["kvlab"]["vocab_size"])
+    except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError):
+        return 32000
 
 
 async def _stream_one(client, model: str, prompt: list[int], workload: Workload) -> RequestRecord:
