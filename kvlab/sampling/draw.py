@@ -42,7 +42,7 @@ def draw(logits: torch.Tensor, top_k: list[int], top_p: list[float], min_p: list
         cdf = torch.softmax(logits[index], dim=-1).cumsum(-1, dtype=torch.float64)
         tokens[index] = _invert_torch(cdf, uniforms.to(logits.device)[index])
     if filtered:
-        sub = logits[torch.tensor(filtered, device=logits.device)]
+        sub = logits if len(filtered) == logits.shape[0] else logits[torch.tensor(filtered, device=logits.device)]
         for rows, ids, kept in _rounds(sub, *(_pick(x, filtered) for x in (top_k, top_p, min_p))):
             where = [filtered[r] for r in rows]
             picked = ids[np.arange(len(rows)), _invert(np.cumsum(kept, axis=1), u[where])]

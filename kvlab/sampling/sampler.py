@@ -156,7 +156,8 @@ class BatchSampler:
         if sampled:
             index = torch.tensor(sampled, device=x.device)
             temperature = torch.tensor([params[i].temperature for i in sampled], device=x.device)[:, None]
-            scaled = x[index].float() / temperature
+            rows = x if len(sampled) == len(draws) else x[index]  # every row sampled (usual): no gather
+            scaled = rows.float() / temperature
             uniforms = torch.stack([draws[i].state.uniform() for i in sampled])
             tokens[index] = draw(scaled, *_filters([params[i] for i in sampled]), uniforms)
         token_list = tokens.tolist()
