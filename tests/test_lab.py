@@ -25,7 +25,8 @@ from kvlab.lab.context import ContextResult
 from kvlab.lab.dtype import DtypeResult
 from kvlab.lab.kv_verify import KvVerifyResult
 from kvlab.lab.phases import PhasesResult
-from kvlab.lab.plots import PLOTS
+from kvlab.lab.plots import PLOTS, nice_log_ticks
+from kvlab.lab.report import verdict_text
 from kvlab.lab.roofline import RooflineResult
 
 RESULT_TYPES = {
@@ -66,7 +67,7 @@ def test_all_writes_every_file_and_key(lab_run):
     for name in EXPERIMENTS:
         module = experiment_module(name)
         assert "## " in report and module.TITLE in report, name
-        assert module.verdict(results["experiments"][name]) in report
+        assert verdict_text(module, results["experiments"][name], quick=True) in report
         assert (f"({name}.png)" in report) == (name in PLOTS)
     assert report.count("**Here.**") == len(EXPERIMENTS)
 
@@ -130,7 +131,6 @@ def test_compare_transformers_adds_ratio_columns(tiny_chat_model, tmp_path):
         ["lab", "phases", "--model", "MODEL", "--repeat", "0"],
         ["lab", "phases", "--model", "MODEL", "--repeat", "many"],
         ["lab", "phases", "--model", "no-such-model"],
-        ["lab", "phases"],
         ["lab", "roofline", "--model", "MODEL", "--compare", "transformers"],
         ["lab", "phases", "--model", "MODEL", "--dtype", "int3"],
         ["lab", "report"],
@@ -159,3 +159,59 @@ def test_peak_rss_sees_a_short_lived_allocation():
         time.sleep(0.05)
         del big
     assert peak.delta_bytes >= 40 * 2**20
+
+
+def test_quick_report_judges_no_claim_and_names_each_source(lab_run):
+    out, results = lab_run
+    report = (out / "report.md").read_text()
+    summary = report.split("## Summary", 1)[1].split("\n## ", 1)[0]
+    lines = [line for line in summary.splitlines() if line.startswith("- ")]
+    assert len(lines) == len(EXPERIMENTS) and all("Not judged (quick run):" in line for line in lines)
+    assert "Held:" not in report and "Did not hold:" not in report
+    assert "the seed" not in report.lower() and "seed-0" not in report  # words no reader knows
+    for name in EXPERIMENTS:
+        module = experiment_module(name)
+        assert f"as {module.SOURCE.title} makes it" in report and module.MEASURED in report, name
+
+
+def test_model_defaults_and_the_lab_says_where_it_wrote(tiny_chat_model, tmp_path, monkeypatch, capsys):
+    from kvlab.cli import build_parser
+    from kvlab.hub import DEFAULT_MODEL
+
+    assert build_parser().parse_args(["lab", "all", "--quick"]).model == DEFAULT_MODEL
+    monkeypatch.chdir(tmp_path)
+    assert main(["lab", "kv-verify", "--model", str(tiny_chat_model), *QUICK]) == 0
+    folder = tmp_path / f"lab-{tiny_chat_model.name}"
+    assert (folder / "report.md").is_file()
+    assert f"wrote {folder / 'results.json'} and {folder / 'report.md'}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("lo, hi", [(4.2, 17.6), (0.11, 0.26), (1e9, 3e10), (20, 30), (0.3, 200)])
+def test_log_axes_get_three_labels_spread_over_the_range(lo, hi):
+    import math
+
+    ticks = nice_log_ticks(lo, hi)
+    assert len(ticks) >= 3 and all(lo <= t <= hi for t in ticks)
+    edges = [math.log10(x) for x in [lo, *ticks, hi]]
+    assert max(b - a for a, b in zip(edges, edges[1:])) <= math.log10(hi / lo) / 2
+
+
+def test_plots_label_their_log_axes_and_keep_the_legend_off_the_title(lab_run):
+    from kvlab.lab.plots import PLOTS, pyplot
+
+    plt = pyplot()
+    _, results = lab_run
+    for name in ("cache", "attention", "bits", "roofline"):
+        fig = PLOTS[name](plt, results["experiments"][name])
+        fig.canvas.draw()
+        ax = fig.axes[0]
+        labels = [t.get_text() for t in ax.get_yticklabels() if t.get_text()]
+        assert len(labels) >= 3 and not any("^" in t or "e+" in t for t in labels), (name, labels)
+        plt.close(fig)
+    fig = PLOTS["context"](plt, results["experiments"]["context"])
+    fig.canvas.draw()
+    ax = fig.axes[0]
+    legend = ax.get_legend().get_window_extent()
+    assert len(ax.get_legend().get_texts()) == 2  # both axes' series in one legend
+    assert legend.y1 < ax.get_window_extent().y0  # under the plot, clear of the title
+    plt.close(fig)

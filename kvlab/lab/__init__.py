@@ -4,7 +4,8 @@ Each experiment is a module with the same four names, so the runner and the repo
 
     NAME     the command-line name          run(lab) -> a dataclass of figures (saved in results.json)
     TITLE    the report's section title     table(data) -> markdown, verdict(data) -> one sentence
-    CLAIM    what the seeds claim, in kvlab's words
+    CLAIM    a claim about inference cost, in kvlab's words
+    SOURCE   the document that made it (lab/sources.py); MEASURED: what that document measured
 
 `table` and `verdict` read the JSON form of the results, so `kvlab lab report` re-renders a report
 from results.json alone. docs/lab.md explains every experiment and how to read its figures.

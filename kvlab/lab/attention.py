@@ -23,6 +23,7 @@ import torch
 
 from kvlab.lab.common import Lab, Timing, forward, meminfo_bytes
 from kvlab.lab.report import faster, held, md_table, num, ratio, spread
+from kvlab.lab.sources import BLOG_POST
 from kvlab.model.attention import score_matrix_bytes
 
 NAME = "attention"
@@ -32,7 +33,8 @@ CLAIM = (
     "its time and memory explode; fused attention works tile by tile and never holds the matrix, so it "
     "stays far faster while computing the same result."
 )
-SEED = "Qwen2.5-0.5B: 843 vs 634 ms at 1,000 tokens, 87,942 vs 8,709 ms at 8,000 (10×); logits within 0.0001"
+SOURCE = BLOG_POST
+MEASURED = "Qwen2.5-0.5B: 843 vs 634 ms at 1,000 tokens, 87,942 vs 8,709 ms at 8,000 (10×); logits within 0.0001"
 
 LENGTHS, QUICK_LENGTHS = (1000, 4000, 8000), (16, 32)
 BACKENDS = ("sdpa", "materialized")
@@ -181,7 +183,7 @@ def verdict(data: dict) -> str:
     diff = max(p["max_logit_diff"] for p in both)
     text = (
         f"at {num(last['prompt_tokens'])} tokens SDPA ran {faster(last['speedup'], 'materialised attention')} "
-        f"(the seed saw 10× faster at 8,000) and peaked {num(last['sdpa']['peak_rss_delta_bytes'] / 1e6, 0)} MB "
+        f"({SOURCE.short} measured 10× faster at 8,000) and peaked {num(last['sdpa']['peak_rss_delta_bytes'] / 1e6, 0)} MB "
         f"above the baseline against {num(last['materialized']['peak_rss_delta_bytes'] / 1e6, 0)} MB"
     )
     grew = None

@@ -15,6 +15,7 @@ import torch
 
 from kvlab.lab.common import Lab, Timing, forward, greedy
 from kvlab.lab.report import faster, held, md_table, num, ratio, spread
+from kvlab.lab.sources import BLOG_POST
 
 NAME = "batching"
 TITLE = "Batching: many tokens for the price of one weight read"
@@ -22,7 +23,8 @@ CLAIM = (
     "A decode step reads every weight to produce one token; the same read can serve many tokens in one "
     "pass, so a pass over N tokens, or over N users' next tokens, costs far less than N single steps."
 )
-SEED = "Qwen2.5-0.5B: one token 28 ms, 10 tokens in one pass 52 ms (1.9×)"
+SOURCE = BLOG_POST
+MEASURED = "Qwen2.5-0.5B: one token 28 ms, 10 tokens in one pass 52 ms (1.9×)"
 
 TOKENS = (1, 2, 4, 8, 16, 32)
 SEQUENCES, QUICK_SEQUENCES = (1, 2, 4, 8, 16), (1, 2, 4)
@@ -134,7 +136,7 @@ def verdict(data: dict) -> str:
     return (
         f"{held(ok_pass and ok_seq, ok_pass or ok_seq)}: one pass over {num(p['tokens'])} tokens cost "
         f"{ratio(p['relative_cost'])} a single-token pass, {ratio(p['tokens'] / p['relative_cost'])} cheaper per "
-        f"token (the seed: 10 tokens for 1.9× one), and {num(s['sequences'])} sequences decoding together made "
+        f"token ({SOURCE.short}: 10 tokens for 1.9× one), and {num(s['sequences'])} sequences decoding together made "
         f"{num(s['together_tok_s'])} tok/s against {num(s['one_at_a_time_tok_s'])} one at a time "
         f"({ratio(s['speedup'])})."
     )

@@ -17,6 +17,7 @@ from kvlab.kv.cache import ContiguousKVCache
 from kvlab.lab.common import Lab, Timing, time_decode, time_prefill
 from kvlab.lab.report import faster, held, md_table, num, pct, ratio, spread
 from kvlab.lab.roofline import measure_bandwidth
+from kvlab.lab.sources import BLOG_POST
 
 NAME = "bits"
 TITLE = "Fewer bits per weight: decode speed against bytes read"
@@ -25,7 +26,8 @@ CLAIM = (
     "bytes of the weights: every bit removed from a weight is decode speed gained, whatever the format, "
     "while the arithmetic stays the same."
 )
-SEED = "float32 → bfloat16 on Qwen2.5-0.5B: 1.98 → 0.99 GB of weights, a decode step 27.3 → 16.5 ms; 'for decode, every bit removed is speed gained'"
+SOURCE = BLOG_POST
+MEASURED = "float32 → bfloat16 on Qwen2.5-0.5B: 1.98 → 0.99 GB of weights, a decode step 27.3 → 16.5 ms; 'for decode, every bit removed is speed gained'"
 
 DECODE_CONTEXT, QUICK_DECODE_CONTEXT = 16, 4
 DECODE_STEPS, QUICK_DECODE_STEPS = 8, 2

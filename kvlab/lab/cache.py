@@ -15,6 +15,7 @@ import torch
 from kvlab.kv.cache import NoCache
 from kvlab.lab.common import Lab, Timing, forward, time_decode
 from kvlab.lab.report import held, md_table, num, ratio
+from kvlab.lab.sources import COURSE
 
 NAME = "cache"
 TITLE = "With and without the KV cache"
@@ -23,7 +24,8 @@ CLAIM = (
     "the context; the cache keeps every past token's keys and values, so a step only computes the new "
     "token. The gap widens as the context grows, and both ways produce exactly the same tokens."
 )
-SEED = "Qwen3-0.6B, 32 tokens: 8.1 vs 1 tok/s at context 64, 5.1 vs 0.41 at 512 (12×), 5.49 vs 0.3 at 1,024 (18×)"
+SOURCE = COURSE
+MEASURED = "Qwen3-0.6B, 32 tokens: 8.1 vs 1 tok/s at context 64, 5.1 vs 0.41 at 512 (12×), 5.49 vs 0.3 at 1,024 (18×)"
 
 CONTEXTS, QUICK_CONTEXTS = (64, 512, 1024), (8, 16)
 CACHED_STEPS, QUICK_CACHED_STEPS = 32, 4
@@ -122,7 +124,7 @@ def verdict(data: dict) -> str:
     ok = points[-1]["slowdown"] > 2 and grows and data["all_tokens_equal"]
     text = (
         f"{held(ok, middle['slowdown'] > 1)}: without the cache, decoding at context {num(middle['context'])} "
-        f"was {ratio(middle['slowdown'])} slower (the seed saw 12× at 512)"
+        f"was {ratio(middle['slowdown'])} slower ({SOURCE.short} measured 12× at 512)"
     )
     if len(points) > 1:
         text += (

@@ -18,7 +18,9 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from kvlab.deps import require
 from kvlab.errors import KvlabError
+from kvlab.hub import DEFAULT_MODEL
 from kvlab.lab import EXPERIMENTS, experiment_module
 
 COMPARABLE = ("phases", "cache")  # the experiments --compare transformers repeats
@@ -35,12 +37,14 @@ def register(subparsers) -> None:
     )  # fmt: skip
     p.add_argument("experiment", metavar="EXPERIMENT", help=f"{', '.join(EXPERIMENTS)}, all, or report")
     p.add_argument("results", nargs="?", metavar="RESULTS", help="for `report`: a results.json or its folder")
-    p.add_argument("-m", "--model", help="registry name (kvlab list), .gguf file or Hugging Face directory")
-    p.add_argument("-o", "--out", metavar="DIR", help="folder for results.json, report.md and plots (default lab-MODEL)")
+    p.add_argument("-m", "--model", default=DEFAULT_MODEL,
+                   help="registry name (kvlab list; pulled first if needed), .gguf file or Hugging Face directory")
+    p.add_argument("-o", "--out", metavar="DIR",
+                   help="folder for results.json, report.md and plots (default: lab-MODEL in the current folder)")
     p.add_argument("--repeat", default="3", metavar="K", help="timed runs per point: median, min and max (default 3)")
     p.add_argument("--quick", action="store_true", help="tiny sizes, for tests: seconds, not minutes")
     p.add_argument("--dtype", default="float32", help=f"weights' dtype: {', '.join(DTYPE_NAMES)} (default float32)")
-    p.add_argument("--threads", metavar="N", help="CPU threads for torch (default: torch's choice)")
+    p.add_argument("--threads", metavar="N", help="CPU threads for torch (default: one per core)")
     p.add_argument("--compare", metavar="LIB", help="`transformers`: repeat phases and cache with transformers")
     p.add_argument("--max-prompt", metavar="T",
                    help="longest prompt to prefill; longer sizes are skipped and listed in the report")
@@ -68,8 +72,6 @@ def run(args: argparse.Namespace) -> int:
         return report_command(args)
     names = experiment_names(args.experiment)
     settings = parse_settings(args)
-    if not args.model:
-        raise KvlabError("give the model to measure: --model NAME (kvlab list shows the pulled ones)")
     if args.results:
         raise KvlabError(f"unexpected argument '{args.results}': only `kvlab lab report` takes a results file")
     return measure(args, names, settings)
@@ -90,6 +92,8 @@ def parse_settings(args) -> Settings:
         raise KvlabError(f"--compare takes `transformers`, not '{args.compare}'")
     if args.compare and args.experiment not in (*COMPARABLE, "all"):
         raise KvlabError(f"--compare transformers applies to {', '.join(COMPARABLE)} and all, not {args.experiment}")
+    if args.compare:
+        require("transformers", "--compare transformers", extra="dev")  # before any measuring
     return Settings(
         repeat=positive_int(args.repeat, "--repeat"), quick=args.quick, dtype=args.dtype,
         threads=positive_int(args.threads, "--threads") if args.threads else None, compare=args.compare,
@@ -147,15 +151,18 @@ def measure(args, names: list[str], settings: Settings) -> int:
 
 
 def run_experiments(args, names: list[str], settings: Settings) -> int:
+    from kvlab.hub import ensure_pulled
     from kvlab.lab.common import Lab, load_average, machine_facts, model_facts, now
     from kvlab.lab.plots import pyplot
-    from kvlab.lab.report import load_results, render, write_results
+    from kvlab.lab.report import load_results, render, verdict_text, write_results
     from kvlab.model.loader import load_model
 
     pyplot()  # the report's plots need matplotlib: find out now, not after every experiment has run
+    ensure_pulled(args.model)
     machine = machine_facts()  # before loading: free RAM and load average as the run found them
     loaded = load_model(args.model, dtype=settings.dtype)
     out = Path(args.out or f"lab-{model_label(args.model)}")
+    print(f"kvlab lab: measuring {args.model}; results go to {out.resolve()}", file=sys.stderr, flush=True)
     results = {
         "kvlab_lab_version": 1, "command": command_line(args, settings, out), "started": now(),
         "machine": asdict(machine), "model": asdict(model_facts(model_label(args.model), loaded, settings.dtype)),
@@ -179,7 +186,8 @@ def run_experiments(args, names: list[str], settings: Settings) -> int:
                         load_average=load, command=results["command"])  # fmt: skip
             results["experiments"][name] = data
             write_results(results, out)
-            print(f"## {module.TITLE}\n\n{module.table(data)}\n\n{module.verdict(data)}\n", flush=True)
+            verdict = verdict_text(module, data, settings.quick)
+            print(f"## {module.TITLE}\n\n{module.table(data)}\n\n{verdict}\n", flush=True)
         if settings.compare:
             from kvlab.lab.compare import compare
 
@@ -192,7 +200,7 @@ def run_experiments(args, names: list[str], settings: Settings) -> int:
             results["finished"] = now()
             write_results(results, out)
             report = render(results, out)
-            print(f"wrote {out / 'results.json'} and {report} (with its plots)", file=sys.stderr)
+            print(f"wrote {(out / 'results.json').resolve()} and {report.resolve()} (with its plots)", file=sys.stderr)
     return 0
 
 
@@ -204,5 +212,5 @@ def report_command(args) -> int:
     path = Path(args.results)
     results = load_results(path)
     report = render(results, path if path.is_dir() else path.parent)
-    print(f"wrote {report} (with its plots)")
+    print(f"wrote {report.resolve()} (with its plots)")
     return 0

@@ -13,6 +13,7 @@ import torch
 
 from kvlab.lab.common import Lab, Timing, greedy
 from kvlab.lab.report import held, md_table, num, pct, ratio, spread
+from kvlab.lab.sources import BLOG_POST
 
 NAME = "context"
 TITLE = "Decode step against context length"
@@ -20,7 +21,8 @@ CLAIM = (
     "Besides the weights, every decode step reads the whole KV cache, because the new token attends to "
     "every earlier one; the longer the context, the more bytes a step reads and the slower it gets."
 )
-SEED = "Qwen2.5-0.5B float32: one step 27.6 ms at 10 tokens, 33.9 at 1,000, 51.0 at 4,000, 72.1 at 8,000 (2.6×)"
+SOURCE = BLOG_POST
+MEASURED = "Qwen2.5-0.5B float32: one step 27.6 ms at 10 tokens, 33.9 at 1,000, 51.0 at 4,000, 72.1 at 8,000 (2.6×)"
 
 CONTEXTS, QUICK_CONTEXTS = (10, 100, 1000, 4000, 8000), (4, 16, 64)
 STEPS, QUICK_STEPS = 4, 2  # decode steps per timed sample
@@ -91,7 +93,7 @@ def verdict(data: dict) -> str:
     return (
         f"{held(ok, last['slowdown'] > 1.05)}: a decode step at {num(last['context'])} tokens took "
         f"{num(last['step']['median_s'] * 1e3)} ms, {ratio(last['slowdown'])} the "
-        f"{num(first['step']['median_s'] * 1e3)} ms at {num(first['context'])} (the seed saw 2.6× from 10 to "
+        f"{num(first['step']['median_s'] * 1e3)} ms at {num(first['context'])} ({SOURCE.short} measured 2.6× from 10 to "
         f"8,000); by then the KV cache it reads was {num(last['kv_bytes_read'] / 1e6, 0)} MB, "
         f"{pct(last['kv_share'])} of the bytes read per step."
     )

@@ -12,6 +12,7 @@ import torch
 
 from kvlab.lab.common import Lab, Timing, time_decode, time_prefill
 from kvlab.lab.report import faster, held, md_table, num, spread
+from kvlab.lab.sources import BLOG_POST
 
 NAME = "dtype"
 TITLE = "16-bit weights: decode against prefill"
@@ -20,7 +21,8 @@ CLAIM = (
     "although it computes exactly as much; prefill, which waits for arithmetic, gains nothing, and on a "
     "CPU without fast 16-bit matrix units it gets slower."
 )
-SEED = "Qwen2.5-0.5B: decode 27.3 ms in float32, 16.5 in bfloat16 (1.7× faster); 500-token prefill 341 ms → 3,711 ms (11× slower)"
+SOURCE = BLOG_POST
+MEASURED = "Qwen2.5-0.5B: decode 27.3 ms in float32, 16.5 in bfloat16 (1.7× faster); 500-token prefill 341 ms → 3,711 ms (11× slower)"
 
 DTYPES = ("float32", "bfloat16", "float16")
 DECODE_CONTEXT, QUICK_DECODE_CONTEXT = 16, 4
@@ -95,8 +97,8 @@ def verdict(data: dict) -> str:
     prefill_text = " and ".join(f"{faster(v)} in {k}" for k, v in prefill.items())
     return (
         f"{held(faster_decode and prefill_no_gain, faster_decode or prefill_no_gain)}: a decode step in "
-        f"{best} ran {faster(decode[best], 'in float32')} (the seed saw 1.7× faster), reading "
+        f"{best} ran {faster(decode[best], 'in float32')} ({SOURCE.short} measured 1.7× faster), reading "
         f"{num(next(p['decode_gb_s'] for p in halves if p['dtype'] == best))} GB/s of weights against "
         f"{num(base['decode_gb_s'])} in float32, while the {num(base['prefill_tokens'])}-token prefill ran "
-        f"{prefill_text} (the seed: 7–11× slower)."
+        f"{prefill_text} ({SOURCE.short}: 7–11× slower)."
     )

@@ -6,7 +6,7 @@ bytes, positions actually written) and compared with
     numbers = layers × 2 (K and V) × KV heads × head dim × tokens × sequences,   bytes = numbers × dtype size
 
 and with kvlab.memory (the calculator behind `kvlab mem`), which reads the model's own config. The
-seeds' models (bundled configs) are allocated on PyTorch's meta device, which records shapes without
+course's models (bundled configs) are allocated on PyTorch's meta device, which records shapes without
 touching memory, and checked the same way.
 """
 
@@ -20,6 +20,7 @@ from kvlab.config import ModelConfig
 from kvlab.kv.cache import ContiguousKVCache
 from kvlab.lab.common import Lab, forward
 from kvlab.lab.report import held, md_table, num
+from kvlab.lab.sources import COURSE
 from kvlab.memory import kv_bytes, kv_bytes_per_token, load_config
 
 NAME = "kv-verify"
@@ -29,11 +30,12 @@ CLAIM = (
     "holds layers × 2 × KV heads × head dim × tokens numbers; the real tensors match that exactly, and "
     "grouped-query attention shrinks it by the ratio of query heads to KV heads."
 )
-SEED = "Qwen3-0.6B: [1, 8, 512, 128] per layer, 29,360,128 numbers at 512 tokens, 112 KiB per token in bfloat16"
+SOURCE = COURSE
+MEASURED = "Qwen3-0.6B: [1, 8, 512, 128] per layer, 29,360,128 numbers at 512 tokens, 112 KiB per token in bfloat16"
 
 CONTEXT, QUICK_CONTEXT = 512, 16
 SEED_MODELS = ("qwen3-0.6b", "qwen2.5-0.5b", "qwen2.5-7b", "qwen2.5-72b")
-SEED_QWEN3_NUMBERS = 29_360_128  # seed 000: Qwen3-0.6B's cache at 512 tokens
+SEED_QWEN3_NUMBERS = 29_360_128  # the course's figure: Qwen3-0.6B's cache at 512 tokens
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -126,13 +128,13 @@ def table(data: dict) -> str:
          for c in data["checks"]],
     )  # fmt: skip
     seeds = md_table(
-        ["seed model (bundled config)", "layers", "query / KV heads", "head dim", "numbers at 512 tokens",
+        ["course's models (bundled configs)", "layers", "query / KV heads", "head dim", "numbers at 512 tokens",
          "KiB per token", "without GQA", "GiB at 32,768 tokens", "equal"],
         [[s["name"], s["layers"], f"{s['heads']} / {s['kv_heads']}", s["head_dim"], num(s["numbers_at_512"]),
           num(s["bytes_per_token"] / 1024, 0), num(s["bytes_per_token_without_gqa"] / 1024, 0),
           num(s["bytes_at_32k"] / 2**30), "yes" if s["equal"] else "**no**"] for s in data["seed_models"]],
     )  # fmt: skip
-    return checks + "\n\n" + seeds + "\n\n(KV in bfloat16 for the seed models; KiB = 1,024 bytes, GiB = 2³⁰ bytes.)"
+    return checks + "\n\n" + seeds + "\n\n(KV in bfloat16 for the course's models; KiB = 1,024 bytes, GiB = 2³⁰ bytes.)"
 
 
 def fmt(value) -> str:
@@ -153,6 +155,6 @@ def verdict(data: dict) -> str:
         text += (
             f", and Qwen3-0.6B's config gives {num(qwen3['numbers_at_512'])} numbers at 512 tokens and "
             f"{num(qwen3['bytes_per_token'] / 1024, 0)} KiB per token, "
-            f"{'as' if seed_match else 'unlike'} the seed's 29,360,128 and 112 KiB"
+            f"{'as' if seed_match else 'unlike'} {SOURCE.short}'s 29,360,128 and 112 KiB"
         )
     return text + "."

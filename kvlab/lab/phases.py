@@ -12,6 +12,7 @@ import torch
 
 from kvlab.lab.common import Lab, Timing, time_decode, time_prefill
 from kvlab.lab.report import held, md_table, num, ratio, spread
+from kvlab.lab.sources import COURSE
 
 NAME = "phases"
 TITLE = "Prefill and decode"
@@ -20,7 +21,8 @@ CLAIM = (
     "arithmetic and gets more tokens per second as prompts grow; decode makes one token per pass, is "
     "limited by reading the weights, and runs far fewer tokens per second."
 )
-SEED = "Qwen3-0.6B, float32, 8 CPU cores: prefill 54.8 tok/s at 16 tokens and 139.7 at 1,024; decode 8.1 tok/s at context 64"
+SOURCE = COURSE
+MEASURED = "Qwen3-0.6B, float32, 8 CPU cores: prefill 54.8 tok/s at 16 tokens and 139.7 at 1,024; decode 8.1 tok/s at context 64"
 
 PREFILL_TOKENS, QUICK_PREFILL_TOKENS = (16, 64, 256, 1024), (4, 8, 16)
 DECODE_CONTEXTS, QUICK_DECODE_CONTEXTS = (64, 512, 1024), (8, 16)
@@ -109,6 +111,6 @@ def verdict(data: dict) -> str:
     return (
         f"{held(gain > 1.2 and gap > 2, gain > 1.2 or gap > 2)}: prefill ran at {num(first['tok_s'])} tok/s "
         f"for {num(first['prompt_tokens'])} tokens and {num(last['tok_s'])} for {num(last['prompt_tokens'])}, "
-        f"{ratio(gain)} as many tokens per second (the seed saw 2.5×); decode made {decode_text}, "
+        f"{ratio(gain)} as many tokens per second ({SOURCE.short} measured 2.5×); decode made {decode_text}, "
         f"{ratio(gap)} fewer tokens per second than the longest prefill."
     )

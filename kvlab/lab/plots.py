@@ -8,14 +8,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvlab.errors import KvlabError
+from kvlab.deps import require
 
 
 def pyplot():
-    try:
-        import matplotlib
-    except ImportError:
-        raise KvlabError("the lab's plots need matplotlib: pip install 'kvlab[lab]'") from None
+    require("matplotlib", "kvlab lab (its plots)")
+    import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -36,6 +35,43 @@ def log_x(ax, xs: list[int]) -> None:
     ax.set_xscale("log")
     ax.set_xticks(xs, [f"{x:,}" for x in xs])
     ax.minorticks_off()
+
+
+def log_y(ax, label=None) -> None:
+    """A log y axis with at least three labelled ticks, as plain numbers (5, 10, 15 rather than one lonely
+    10¹ over a narrow range); `label` formats a tick's value (default: plain)."""
+    from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator
+
+    ax.set_yscale("log")
+    lo, hi = ax.get_ylim()
+    ticks = nice_log_ticks(lo, hi)
+    ax.yaxis.set_major_locator(FixedLocator(ticks))
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda y, _: (label or plain)(y)))
+    ax.yaxis.set_minor_locator(NullLocator())
+    ax.set_ylim(lo, hi)
+
+
+def nice_log_ticks(lo: float, hi: float) -> list[float]:
+    """At least three ticks between lo and hi (both > 0), spread over the whole range: the plainest of
+    1 × 10^k, 1-2-5, 1-1.5-2-3-5-7, every whole multiple or steps of 0.2 whose widest gap (on the log
+    scale, the axis ends included) is at most half the range."""
+    import math
+
+    decades = range(math.floor(math.log10(lo)) - 1, math.ceil(math.log10(hi)) + 1)
+    span = math.log10(hi / lo)
+    ticks: list[float] = []
+    fine = tuple(m / 5 for m in range(5, 50))  # 1, 1.2, 1.4, ...: a range narrower than a factor 2
+    for steps in ((1,), (1, 2, 5), (1, 1.5, 2, 3, 5, 7), (1, 1.5, 2, 2.5, 3, 4, 5, 6, 7, 8, 9), fine):
+        ticks = [m * 10.0**k for k in decades for m in steps if lo <= m * 10.0**k <= hi]
+        edges = [math.log10(t) for t in [lo, *ticks, hi]]
+        if len(ticks) >= 3 and max(b - a for a, b in zip(edges, edges[1:])) <= span / 2:
+            return ticks
+    return ticks
+
+
+def plain(x: float) -> str:
+    """An axis number without exponents: 0.002, 0.5, 20, 1,000."""
+    return f"{x:,.0f}" if x >= 1 and x == round(x) else f"{x:g}"
 
 
 def rate_bars(points: list[dict], tokens_key: str | int, timing_key: str = "timing"):
@@ -74,7 +110,8 @@ def phases(plt, data):
         right.plot(xs_d, [p["tok_s"] for p in hf["decode"]], "s--", label="transformers")
     for ax in (left, right):
         ax.set_ylim(bottom=0)
-        ax.legend()
+        if hf:  # one series needs no legend
+            ax.legend()
     return fig
 
 
@@ -84,9 +121,10 @@ def cache(plt, data):
     xs = [p["context"] for p in pts]
     ax.errorbar(xs, *rate_bars(pts, "cached_steps", "cached"), marker="o", capsize=3, label="with KV cache")
     ax.errorbar(xs, *rate_bars(pts, "uncached_steps", "uncached"), marker="s", capsize=3, label="without (recompute)")
-    ax.set(yscale="log", xlabel="context (tokens)", ylabel="tokens per second",
+    ax.set(xlabel="context (tokens)", ylabel="decode tokens per second (log scale)",
            title="Decode with and without the KV cache")
     log_x(ax, xs)
+    log_y(ax)
     ax.legend()
     return fig
 
@@ -102,8 +140,10 @@ def roofline(plt, data):
     ax.axvline(data["ridge_intensity"], color="0.6", linestyle=":", label="ridge point")
     for p, marker in ((data["decode"], "o"), (data["prefill"], "s")):
         ax.plot(p["intensity"], p["flop_s"], marker, markersize=9, label=f"{p['name']} ({p['intensity']:.1f} FLOP/byte)")
-    ax.set(xscale="log", yscale="log", xlabel="arithmetic intensity (FLOP per byte read)", ylabel="FLOP/s",
-           title="Roofline: decode waits for memory, prefill for arithmetic")  # fmt: skip
+    ax.set(xscale="log", xlabel="arithmetic intensity (FLOP per byte read, log scale)",
+           ylabel="GFLOP/s (log scale)", title="Roofline: decode waits for memory, prefill for arithmetic")  # fmt: skip
+    ax.xaxis.set_major_formatter(plt.FuncFormatter(lambda x, _: plain(x)))
+    log_y(ax, label=lambda y: plain(y / 1e9))
     ax.legend(fontsize=8)
     return fig
 
@@ -134,10 +174,11 @@ def bits(plt, data):
         err = [[p["decode_tok_s"] - 1 / hi_s], [1 / lo_s - p["decode_tok_s"]]]
         ax.errorbar([x], [p["decode_tok_s"]], yerr=err, marker="o", capsize=3, linestyle="none")
         ax.annotate(p["label"], (x, p["decode_tok_s"]), textcoords="offset points", xytext=(6, 4), fontsize=8)
-    ax.set(xscale="log", yscale="log", xlabel="bytes read per decode step (MB, log scale)",
+    ax.set(xscale="log", xlabel="bytes read per decode step (MB, log scale)",
            ylabel="decode tokens per second (log scale)", title="Fewer bytes per weight, faster decode")  # fmt: skip
     ax.set_xticks(xs, [f"{x:.0f}" for x in xs])
     ax.minorticks_off()
+    log_y(ax)
     ax.legend(fontsize=8)
     return fig
 
@@ -154,7 +195,9 @@ def context(plt, data):
     kv.plot(xs, [p["kv_bytes_read"] / 1e6 for p in pts], "s--", color="C1", label="KV read per step (MB)")
     kv.set(ylabel="KV cache read per step (MB)")
     kv.set_ylim(bottom=0)
-    fig.legend(loc="upper left", bbox_to_anchor=(0.12, 0.88), fontsize=8)
+    # one legend for both axes, under the plot: inside it covered the title or the points
+    handles = ax.get_legend_handles_labels()[0] + kv.get_legend_handles_labels()[0]
+    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=2, fontsize=8, frameon=False)
     return fig
 
 
@@ -168,12 +211,13 @@ def attention(plt, data):
         mids = [p[backend]["timing"]["median_s"] for p in pts]
         left.plot(xs, mids, marker=marker, label=backend)
         right.plot(xs, [p[backend]["peak_rss_delta_bytes"] / 1e6 for p in pts], marker=marker, label=backend)
-    left.set(yscale="log", xlabel="prompt tokens", ylabel="prefill seconds (log scale)", title="Prefill time")
+    left.set(xlabel="prompt tokens", ylabel="prefill seconds (log scale)", title="Prefill time")
     right.set(xlabel="prompt tokens", ylabel="peak RSS above baseline (MB)", title="Peak memory")
     xs = [p["prompt_tokens"] for p in data["points"]]
     for ax in (left, right):
         log_x(ax, xs)
         ax.legend()
+    log_y(left)
     return fig
 
 

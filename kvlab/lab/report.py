@@ -65,6 +65,20 @@ def held(ok: bool, partly: bool = False) -> str:
     return "Held" if ok else "Partly held" if partly else "Did not hold"
 
 
+NOT_JUDGED = "Not judged (quick run)"
+
+
+def verdict_text(module, data: dict, quick: bool) -> str:
+    """The experiment's verdict; after --quick its figures are given but the claim is not judged on them."""
+    text = module.verdict(data)
+    if not quick:
+        return text
+    for word in ("Held", "Partly held", "Did not hold"):  # every verdict starts with held()
+        if text.startswith(word + ":"):
+            return NOT_JUDGED + text[len(word) :]
+    return text
+
+
 def md_table(head: list[str], rows: list[list]) -> str:
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     lines += ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
@@ -108,13 +122,14 @@ def render(results: dict, out_dir: Path) -> Path:
 
     out_dir.mkdir(parents=True, exist_ok=True)
     done = [name for name in EXPERIMENTS if name in results["experiments"]]
+    quick = bool(results["settings"].get("quick"))
     sections, summary = [], []
     for i, name in enumerate(done, 1):
         module, data = experiment_module(name), results["experiments"][name]
-        verdict = module.verdict(data)
+        verdict = verdict_text(module, data, quick)
         summary.append(f"- **{module.TITLE}.** {verdict}")
-        parts = [f"## {i}. {module.TITLE}", f"**The claim.** {module.CLAIM} *The seed measured: {module.SEED}.*",
-                 module.table(data)]  # fmt: skip
+        parts = [f"## {i}. {module.TITLE}", f"**The claim**, as {module.SOURCE.title} makes it: {module.CLAIM} "
+                 f"*Measured there: {module.MEASURED}.*", module.table(data)]  # fmt: skip
         if name in PLOTS:
             draw(name, data, results["model"]["name"], out_dir / f"{name}.png")
             parts.append(f"![{module.TITLE}]({name}.png)")
@@ -176,13 +191,15 @@ def header(results: dict) -> str:
     ])  # fmt: skip
     lines = [
         f"# kvlab lab: {m['name']} on {mc['cpu_model']}",
-        "Each section below takes one claim of the seeds about inference cost, measures it on this machine "
-        "with this model, and says whether it held. Prompts are random token ids (a pass costs the same "
-        "whichever tokens it reads); all timings are wall-clock.",
+        "Each section below takes one claim about inference cost from the course material this lab follows "
+        "(a course module and a blog post, each named with its claim), measures it on this machine with this "
+        "model, and says whether it held. Prompts are random token ids (a pass costs the same whichever "
+        "tokens it reads); all timings are wall-clock.",
         facts,
     ]
     if s.get("quick"):
-        lines.append("**Quick run**: tiny sizes for testing; the figures say nothing about the claims.")
+        lines.append("**Quick run**: tiny sizes for testing; the figures say nothing about the claims, so none "
+                     "is judged.")
     busy = mc["load_average"] - 0.5
     if busy > 0:
         lines.append(

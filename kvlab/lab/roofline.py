@@ -17,6 +17,7 @@ import torch
 from kvlab.kv.cache import ContiguousKVCache
 from kvlab.lab.common import Lab, Timing, meminfo_bytes, time_decode, time_prefill
 from kvlab.lab.report import gb, held, md_table, num, pct, spread
+from kvlab.lab.sources import BLOG_POST
 
 NAME = "roofline"
 TITLE = "The memory wall: bandwidth, FLOP/s and arithmetic intensity"
@@ -25,7 +26,8 @@ CLAIM = (
     "speed memory delivers bytes, close to the machine's read bandwidth, while using a small fraction "
     "of the arithmetic prefill reaches; bandwidth ÷ bytes per token predicts decode's best speed."
 )
-SEED = "Qwen2.5-0.5B float32: sum 83 GB/s; decode reads weights at 72 GB/s (87%); prefill 1,600 GFLOP/s vs decode 36"
+SOURCE = BLOG_POST
+MEASURED = "Qwen2.5-0.5B float32: sum 83 GB/s; decode reads weights at 72 GB/s (87%); prefill 1,600 GFLOP/s vs decode 36"
 
 GIB = 2**30
 DECODE_CONTEXT, QUICK_DECODE_CONTEXT = 64, 8
@@ -150,8 +152,8 @@ def verdict(data: dict) -> str:
     return (
         f"{held(ok_share and ok_gap, ok_share or ok_gap)}: decode read {num(decode['bytes_s'] / 1e9)} GB/s "
         f"of weights and cache, {pct(share)} of the {num(data['bandwidth']['gb_s'])} GB/s a plain sum "
-        f"reaches (the seed saw 87%), while doing {num(decode['flop_s'] / 1e9)} GFLOP/s, 1/{num(compute_gap, 0)} "
-        f"of prefill's {num(prefill['flop_s'] / 1e9)} (the seed: under 1/40); bandwidth ÷ bytes per step "
+        f"reaches ({SOURCE.short} measured 87%), while doing {num(decode['flop_s'] / 1e9)} GFLOP/s, 1/{num(compute_gap, 0)} "
+        f"of prefill's {num(prefill['flop_s'] / 1e9)} ({SOURCE.short}: under 1/40); bandwidth ÷ bytes per step "
         f"predicts at most {num(data['predicted_decode_tok_s'])} tok/s and decode made "
         f"{num(data['measured_decode_tok_s'])}, {pct(data['measured_decode_tok_s'] / data['predicted_decode_tok_s'])} of it."
     )

@@ -1,16 +1,17 @@
 """`kvlab mem --plot FILE.png`: KV cache (plus constant states) against context, one line per model.
 
-matplotlib is imported here only, and only when a plot is asked for (pip install 'kvlab[lab]').
+matplotlib (a base dependency) is imported here only, and only when a plot is asked for.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from kvlab.deps import require
 from kvlab.errors import KvlabError
 from kvlab.memory.kv import kv_bytes, state_bytes
 from kvlab.config import ModelConfig
-from kvlab.memory.units import GIB, fmt_bytes
+from kvlab.memory.units import GIB, KIB, MIB, TIB, fmt_bytes
 
 MIN_CONTEXT = 128
 
@@ -26,14 +27,13 @@ def context_points(top: int, count: int = 64) -> list[int]:
 def plot_kv(specs: list[ModelConfig], path: str | Path, *, batch: int = 1, kv_dtypes: list[str],
             top_context: int, device_bytes: int | None = None) -> Path:
     """Write a log-log PNG of KV + state bytes for `batch` sequences against context length."""
-    try:
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
-    except ImportError:
-        raise KvlabError("--plot needs matplotlib: pip install 'kvlab[lab]'") from None
     path = Path(path)
     if path.suffix.lower() not in (".png", ".svg", ".pdf"):
         raise KvlabError(f"--plot {path}: give a .png (or .svg, .pdf) file name")
+    require("matplotlib", "kvlab mem --plot")
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
     xs = context_points(top_context)
     fig = Figure(figsize=(8, 5), dpi=120)
     FigureCanvasAgg(fig)
@@ -53,10 +53,9 @@ def plot_kv(specs: list[ModelConfig], path: str | Path, *, batch: int = 1, kv_dt
     if device_bytes:
         ax.axhline(device_bytes / GIB, color="black", linestyle="--", linewidth=1,
                    label=f"device memory {fmt_bytes(device_bytes)}")
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("context (tokens per sequence)")
-    ax.set_ylabel(f"KV cache + state for {batch:,} sequence{'s' if batch > 1 else ''} (GiB = 2^30 B)")
+    _label_axes(ax, xs)
+    ax.set_xlabel("context (tokens per sequence, log scale; k = 1,024)")
+    ax.set_ylabel(f"KV cache + state for {batch:,} sequence{'s' if batch > 1 else ''} (log scale)")
     ax.set_title("KV-cache memory against context" + (" (dotted: past the trained context)" if beyond else ""))
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
@@ -66,3 +65,28 @@ def plot_kv(specs: list[ModelConfig], path: str | Path, *, batch: int = 1, kv_dt
     except OSError as e:
         raise KvlabError(f"--plot {path}: cannot write it ({e.strerror or e})") from None
     return path
+
+
+def token_label(n: float) -> str:
+    """A context on the axis as people say it: 512, 16k, 128k, 1M (k = 1,024)."""
+    n = int(round(n))
+    for unit, size in (("M", 2**20), ("k", 2**10)):
+        if n >= size and n % size == 0:
+            return f"{n // size}{unit}"
+    return f"{n:,}"
+
+
+def _label_axes(ax, xs: list[int]) -> None:
+    """Log axes labelled in words: powers of 4 tokens on x (512, 2k, 8k rather than 2^9), bytes on y
+    (10 MiB, 1 GiB rather than 10^-2)."""
+    from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator
+
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ticks = [2**e for e in range(7, 31, 2) if xs[0] <= 2**e <= xs[-1]]
+    ax.xaxis.set_major_locator(FixedLocator(ticks))
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: token_label(x)))
+    ax.xaxis.set_minor_locator(NullLocator())
+    # 1, 10, 100 of each binary unit: 100 MiB rather than 0.1 GiB = 102.4 MiB
+    ax.yaxis.set_major_locator(FixedLocator([m * unit / GIB for unit in (KIB, MIB, GIB, TIB) for m in (1, 10, 100)]))
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda y, _: fmt_bytes(int(round(y * GIB)))))
