@@ -27,9 +27,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kvlab import LLM  # noqa: E402
-from kvlab.sampling.params import SamplingParams, StructuredOutputs  # noqa: E402
-from kvlab.sampling.sampler import BatchSampler  # noqa: E402
+from kvlab import LLM
+from kvlab.sampling.params import SamplingParams, StructuredOutputs
+from kvlab.sampling.sampler import BatchSampler
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
           "tags": {"type": "array", "items": {"type": "string"}}}, "required": ["name", "age", "tags"]}  # fmt: skip
@@ -44,7 +44,7 @@ def show(name: str, s: dict, unit: str) -> None:
     print(f"  {name:<44} {s['median']:10.2f} {unit}  ({s['min']:.2f}–{s['max']:.2f})")
 
 
-def decode_rates(llm: LLM, kinds: dict[str, SamplingParams], repeat: int) -> dict:
+def decode_rates(llm: LLM, kinds: dict[str, SamplingParams], repeat: int, prompt=PROMPT) -> dict:
     """Each kind once per round, in turn (so drift in the machine's load hits every kind alike)."""
     rates = {k: [] for k in kinds}
     sample_ms = {k: [] for k in kinds}
@@ -52,11 +52,19 @@ def decode_rates(llm: LLM, kinds: dict[str, SamplingParams], repeat: int) -> dic
         for kind, params in kinds.items():
             stats_ = llm.engine.stats
             before_s, before_n = stats_.phase_seconds["sample"], stats_.steps
-            out = llm.generate(PROMPT, params)
+            out = llm.generate(prompt, params)
             if r:  # round 0 warms up
                 rates[kind].append(out.decode_tok_s)
                 sample_ms[kind].append((stats_.phase_seconds["sample"] - before_s) / (stats_.steps - before_n) * 1e3)
     return {k: {"decode_tok_s": stats(rates[k]), "sample_ms_per_step": stats(sample_ms[k])} for k in kinds}
+
+
+class _Row:
+    """What the sampler reads of a request."""
+
+    def __init__(self, rid: str, params: SamplingParams):
+        self.request_id, self.params, self.prompt_token_ids = rid, params, []
+        self.index, self.fork_ids, self.num_output_tokens = 0, (), 0
 
 
 def sampler_cost(vocab: int, repeat: int) -> dict:
@@ -71,12 +79,7 @@ def sampler_cost(vocab: int, repeat: int) -> dict:
         for kind, params in kinds.items():
             sampler = BatchSampler(vocab)
 
-            class R:  # what the sampler reads of a request
-                def __init__(self, i):
-                    self.request_id, self.params, self.prompt_token_ids = f"r{i}", params, []
-                    self.index, self.fork_ids, self.num_output_tokens = 0, (), 0
-
-            reqs = [R(i) for i in range(rows)]
+            reqs = [_Row(f"r{i}", params) for i in range(rows)]
             times = []
             for _ in range(repeat * 20 + 5):
                 t0 = time.perf_counter()
@@ -90,7 +93,10 @@ def n_against_separate(llm: LLM, repeat: int, n: int = 8) -> dict:
     prompt = llm.encode(PROMPT * 8)  # ~150 tokens
     params = SamplingParams(max_tokens=16, temperature=0.8, seed=1, ignore_eos=True)
     eng = llm.engine
-    result = {"n": {"wall_s": [], "prompt_tokens_computed": []}, "separate": {"wall_s": [], "prompt_tokens_computed": []}}
+    result = {
+        "n": {"wall_s": [], "prompt_tokens_computed": []},
+        "separate": {"wall_s": [], "prompt_tokens_computed": []},
+    }
     for r in range(repeat + 1):
         for kind in ("n", "separate"):
             before = eng.stats.step_tokens
@@ -136,9 +142,13 @@ def main() -> None:
     print("2. the sampler alone, µs per token")
     for k, v in report["sampler_us_per_token"].items():
         show(k, v, "µs")
-    grammar = {"no format": SamplingParams(max_tokens=m, temperature=0),
-               "json_schema": SamplingParams(max_tokens=m, temperature=0, structured_outputs=StructuredOutputs(json=SCHEMA))}
-    report["grammar"] = decode_rates(llm, grammar, args.repeat)
+    grammar = {
+        "no format": SamplingParams(max_tokens=m, temperature=0),
+        "json_schema": SamplingParams(max_tokens=m, temperature=0, structured_outputs=StructuredOutputs(json=SCHEMA)),
+    }
+    ask = {"prompt_token_ids": llm.encode_chat([{"role": "user", "content": "Describe a person as a JSON object "
+                                                 "with a name, an age and a list of tags."}])}  # fmt: skip
+    report["grammar"] = decode_rates(llm, grammar, args.repeat, ask)
     print("3. structured output: decode tok/s")
     for k, v in report["grammar"].items():
         show(k, v["decode_tok_s"], "tok/s")

@@ -11,10 +11,10 @@ import math
 import httpx
 import pytest
 import torch
+from loopback import llm, serving  # noqa: F401  (llm: the module's fixture)
 
 from kvlab import SamplingParams
 from kvlab.sampling.params import StructuredOutputs
-from loopback import llm, serving  # noqa: F401  (llm: the module's fixture)
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["ok", "n", "color"],
           "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0, "maximum": 99},
@@ -89,12 +89,13 @@ def test_greedy_logprobs_agree_with_the_engines_own_logits(client, server, tiny_
         assert math.isclose(entry.logprob, entry.top_logprobs[0].logprob, abs_tol=1e-6)  # greedy: the max
         assert sum(math.exp(t.logprob) for t in entry.top_logprobs) <= 1 + 1e-6
         assert bytes(entry.bytes).decode("utf-8", "replace") == entry.token or "\ufffd" in entry.token
-    llm = tiny_llm  # the server's LLM is driven by its engine thread
-    ids = llm.encode_chat([{"role": "user", "content": "hello"}])
-    out = llm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=5, temperature=0, logprobs=5))
-    assert [e.token_id for e in out.outputs[0].logprobs] == [t for t in out.token_ids if t not in llm.engine.eos_token_ids]
-    assert [e.token for e in content] == [llm.tokenizer.decode([e.token_id]) for e in out.outputs[0].logprobs]
-    ref = model_logprobs(llm, ids + out.token_ids)
+    ids = tiny_llm.encode_chat([{"role": "user", "content": "hello"}])
+    out = tiny_llm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=5, temperature=0, logprobs=5))
+    assert [e.token_id for e in out.outputs[0].logprobs] == [
+        t for t in out.token_ids if t not in tiny_llm.engine.eos_token_ids
+    ]
+    assert [e.token for e in content] == [tiny_llm.tokenizer.decode([e.token_id]) for e in out.outputs[0].logprobs]
+    ref = model_logprobs(tiny_llm, ids + out.token_ids)
     for i, entry in enumerate(out.outputs[0].logprobs):
         assert math.isclose(entry.logprob, ref[len(ids) - 1 + i, entry.token_id].item(), abs_tol=1e-4)
 
@@ -164,10 +165,9 @@ def test_several_prompts_in_one_request_are_indexed_prompt_by_prompt(server):
 
 
 def test_best_of_keeps_the_most_likely_choices(server, tiny_llm):
-    llm = tiny_llm
-    params = dict(max_tokens=4, temperature=1.0, seed=5, logprobs=0)
-    every = llm.generate("x", SamplingParams(n=4, **params)).outputs  # the same four sequences (seed + i)
-    best = llm.generate("x", SamplingParams(n=2, best_of=4, **params)).outputs
+    params = {"max_tokens": 4, "temperature": 1.0, "seed": 5, "logprobs": 0}
+    every = tiny_llm.generate("x", SamplingParams(n=4, **params)).outputs  # the same four sequences (seed + i)
+    best = tiny_llm.generate("x", SamplingParams(n=2, best_of=4, **params)).outputs
     ranked = sorted(every, key=lambda c: -c.cumulative_logprob)[:2]
     assert [c.token_ids for c in best] == [c.token_ids for c in ranked] and [c.index for c in best] == [0, 1]
     r = server.post("/v1/completions", {"model": "tiny", "prompt": "x", "n": 1, "best_of": 4, **params})
@@ -182,20 +182,29 @@ def test_models_by_id(server):
 
 
 def test_the_python_api_returns_choices_and_logprobs(tiny_llm):
-    llm = tiny_llm
-    out = llm.generate("The", SamplingParams(n=3, max_tokens=4, temperature=1.0, seed=0, logprobs=1,
+    out = tiny_llm.generate("The", SamplingParams(n=3, max_tokens=4, temperature=1.0, seed=0, logprobs=1,
                                              prompt_logprobs=1))  # fmt: skip
     assert [c.index for c in out.outputs] == [0, 1, 2]
     assert all(len(c.logprobs) <= len(c.token_ids) and c.cumulative_logprob <= 0 for c in out.outputs)
     assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(out.prompt_token_ids)
-    constrained = llm.generate("x", SamplingParams(max_tokens=30, temperature=1.0, seed=3,
-                                                   structured_outputs=StructuredOutputs(choice=["yes", "no"])))
+    constrained = tiny_llm.generate(
+        "x",
+        SamplingParams(
+            max_tokens=30, temperature=1.0, seed=3, structured_outputs=StructuredOutputs(choice=["yes", "no"])
+        ),
+    )
     assert constrained.text in ("yes", "no")
-    assert not llm.engine.has_unfinished_requests and llm.engine.ledger().is_balanced
+    assert not tiny_llm.engine.has_unfinished_requests and tiny_llm.engine.ledger().is_balanced
 
 
 def test_a_schema_the_engine_cannot_compile_is_a_400_naming_it(server):
-    r = httpx.post(server.url + "/v1/chat/completions", headers=server.headers(),
-                   json={"model": "tiny", "messages": [{"role": "user", "content": "x"}],
-                         "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 5}}}})
+    r = httpx.post(
+        server.url + "/v1/chat/completions",
+        headers=server.headers(),
+        json={
+            "model": "tiny",
+            "messages": [{"role": "user", "content": "x"}],
+            "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 5}}},
+        },
+    )
     assert r.status_code == 400 and r.json()["error"]["param"] == "response_format", r.text

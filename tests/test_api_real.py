@@ -7,9 +7,9 @@ from __future__ import annotations
 import json
 
 import pytest
+from loopback import serving
 
 from kvlab import LLM
-from loopback import serving
 
 pytestmark = pytest.mark.real
 
@@ -73,7 +73,9 @@ def test_langchain_bind_tools_round_trip(qwen):
         return ANSWER
 
     chat = ChatOpenAI(base_url=qwen.url + "/v1", api_key="unused", model="tiny", temperature=0, max_tokens=100)
-    ai = chat.bind_tools([get_weather], tool_choice="get_weather").invoke([HumanMessage("What is the weather in Paris?")])
+    ai = chat.bind_tools([get_weather], tool_choice="get_weather").invoke(
+        [HumanMessage("What is the weather in Paris?")]
+    )
     (call,) = ai.tool_calls
     assert call["name"] == "get_weather" and "paris" in call["args"]["city"].lower()
     final = chat.invoke([HumanMessage("What is the weather in Paris?"), ai,

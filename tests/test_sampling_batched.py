@@ -9,12 +9,12 @@ import math
 import pytest
 import torch
 
+from kvlab.errors import KvlabError
 from kvlab.sampling.draw import draw, filtered_probabilities
 from kvlab.sampling.logprobs import token_logprobs
 from kvlab.sampling.params import SamplingParams, StructuredOutputs
 from kvlab.sampling.penalties import penalize
 from kvlab.sampling.sampler import BatchSampler, choice_seed
-from kvlab.errors import KvlabError
 
 
 class Row:

@@ -50,7 +50,9 @@ def draw(logits: torch.Tensor, top_k: list[int], top_p: list[float], min_p: list
     return tokens
 
 
-def filtered_probabilities(logits: torch.Tensor, top_k: list[int], top_p: list[float], min_p: list[float]) -> torch.Tensor:
+def filtered_probabilities(
+    logits: torch.Tensor, top_k: list[int], top_p: list[float], min_p: list[float]
+) -> torch.Tensor:
     """The distribution each row draws from, dense [D, V] float32 (zeros for dropped tokens)."""
     vocab = logits.shape[1]
     probs = torch.softmax(logits.float(), dim=-1)
@@ -60,7 +62,9 @@ def filtered_probabilities(logits: torch.Tensor, top_k: list[int], top_p: list[f
         for rows, ids, kept in _rounds(sub, *(_pick(x, filtered) for x in (top_k, top_p, min_p))):
             dense = np.zeros((len(rows), vocab))
             np.put_along_axis(dense, ids, kept / kept.sum(axis=1, keepdims=True), axis=1)
-            probs[torch.tensor([filtered[r] for r in rows], device=logits.device)] = torch.from_numpy(dense).float().to(logits.device)
+            probs[torch.tensor([filtered[r] for r in rows], device=logits.device)] = (
+                torch.from_numpy(dense).float().to(logits.device)
+            )
     return probs
 
 

@@ -20,7 +20,7 @@ import json
 import re
 import threading
 from collections import OrderedDict
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 

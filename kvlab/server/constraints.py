@@ -55,7 +55,9 @@ def _is_text(value: Any) -> bool:
 def _response_format(value: Any) -> StructuredOutputs:
     kinds = ("text", "json_object", "json_schema")
     if not isinstance(value, dict) or value.get("type") not in kinds:
-        raise invalid(f"'response_format' must be an object whose 'type' is one of {', '.join(kinds)}", "response_format")
+        raise invalid(
+            f"'response_format' must be an object whose 'type' is one of {', '.join(kinds)}", "response_format"
+        )
     if value["type"] == "json_object":
         if set(value) != {"type"}:
             raise invalid("'response_format' of type json_object takes no other field", "response_format")
@@ -66,7 +68,9 @@ def _response_format(value: Any) -> StructuredOutputs:
                       "response_format")  # fmt: skip
     unknown = set(spec) - {"name", "schema", "strict", "description"}
     if unknown:
-        raise invalid(f"'response_format.json_schema' has unknown fields: {', '.join(sorted(unknown))}", "response_format")
+        raise invalid(
+            f"'response_format.json_schema' has unknown fields: {', '.join(sorted(unknown))}", "response_format"
+        )
     if not isinstance(spec.get("name"), str) or not spec["name"]:
         raise invalid("'response_format.json_schema.name' is required", "response_format")
     schema = spec.get("schema", {"type": "object"})

@@ -21,8 +21,9 @@ Each field is one of:
 from __future__ import annotations
 
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any, Callable
+from typing import Any
 
 from kvlab.errors import KvlabError
 from kvlab.sampling import SamplingParams

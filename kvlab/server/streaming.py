@@ -62,7 +62,9 @@ class EventStream:
                 other = prompt * self.req.params.n + c
                 if not self.choices[other].done:
                     self.choices[other].done = True
-                    payloads += self._end(other, self.choices[other], StepOutput(out.request_id, [], "", True, out.output, index=c))
+                    payloads += self._end(
+                        other, self.choices[other], StepOutput(out.request_id, [], "", True, out.output, index=c)
+                    )
         return payloads
 
     def _completion(self, index: int, state: _Choice, out: StepOutput, prompt: int) -> dict | None:

@@ -98,10 +98,18 @@ def _tools(tools: Any) -> list[dict]:
     seen = set()
     for i, t in enumerate(tools):
         f = t.get("function") if isinstance(t, dict) else None
-        if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(f, dict) or set(t) - {"type", "function"}:
+        if (
+            not isinstance(t, dict)
+            or t.get("type") != "function"
+            or not isinstance(f, dict)
+            or set(t) - {"type", "function"}
+        ):
             raise invalid(f"tools[{i}] must be {{'type': 'function', 'function': {{'name', ...}}}}", "tools")
         if set(f) - {"name", "description", "parameters", "strict"}:
-            raise invalid(f"tools[{i}].function has unknown fields: {', '.join(sorted(set(f) - {'name', 'description', 'parameters', 'strict'}))}", "tools")
+            raise invalid(
+                f"tools[{i}].function has unknown fields: {', '.join(sorted(set(f) - {'name', 'description', 'parameters', 'strict'}))}",
+                "tools",
+            )
         if not isinstance(f.get("name"), str) or not _NAME.match(f["name"]) or f["name"] in seen:
             raise invalid(f"tools[{i}].function.name must be a unique name of 1-64 letters, digits, _ or -", "tools")
         if f.get("parameters") is not None and not isinstance(f["parameters"], dict):
@@ -116,7 +124,11 @@ def _choice_name(choice: Any, tools: list[dict]) -> str | None:
     if choice is None or choice in ("none", "auto", "required"):
         return None
     names = [t["function"]["name"] for t in tools]
-    name = choice.get("function", {}).get("name") if isinstance(choice, dict) and choice.get("type") == "function" else None
+    name = (
+        choice.get("function", {}).get("name")
+        if isinstance(choice, dict) and choice.get("type") == "function"
+        else None
+    )
     if not isinstance(name, str):
         raise invalid("'tool_choice' must be 'none', 'auto', 'required' or {'type': 'function', 'function': {'name': ...}}",
                       "tool_choice")  # fmt: skip
