@@ -152,11 +152,11 @@ def build_byte_level_bpe(meta: Mapping[str, Any], source: object) -> FastTokeniz
     tok = FastTokenizer(model)
     tok.pre_tokenizer = _pre_tokenizer(pre)
     tok.decoder = decoders.ByteLevel()
-    _add_special_tokens(tok, tokens, meta.get("tokenizer.ggml.token_type"), vocab)
+    add_special_tokens(tok, tokens, meta.get("tokenizer.ggml.token_type"), vocab)
     return tok
 
 
-def _add_special_tokens(tok: FastTokenizer, tokens: list[str], token_types: Any, vocab: Mapping[str, int]) -> None:
+def add_special_tokens(tok: FastTokenizer, tokens: list[str], token_types: Any, vocab: Mapping[str, int]) -> None:
     """Register control tokens as special and user-defined ones as plain added tokens, so text never splits them.
 
     A control token spelled outside the byte alphabet is a llama.cpp mislabel and is left alone.

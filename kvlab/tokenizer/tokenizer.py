@@ -13,6 +13,7 @@ from kvlab.errors import KvlabError
 from kvlab.gguf_file import GGUFFile
 from kvlab.tokenizer.chat_template import compile_chat_template, render_chat_template
 from kvlab.tokenizer.gguf_bpe import build_byte_level_bpe, gguf_add_bos_eos, gguf_special_ids
+from kvlab.tokenizer.gguf_spm import GEMMA_ARCHS, build_gemma_bpe
 from kvlab.tokenizer.shield import ContentShield, encode_rendered
 
 # Special tokens that end a turn or a document: generation stops on them as well as on the eos token.
@@ -96,12 +97,15 @@ class Tokenizer:
                 f"{gguf.path} has no tokenizer in its metadata (no tokenizer.ggml.model/tokens keys); "
                 "load the tokenizer from the model's tokenizer.json directory instead"
             )
-        if kind != "gpt2":
+        if kind == "llama" and meta.get("general.architecture") in GEMMA_ARCHS:
+            backend = build_gemma_bpe(meta, gguf.path)  # SentencePiece BPE with byte fallback
+        elif kind != "gpt2":
             raise KvlabError(
-                f"{gguf.path}: tokenizer type {kind!r} is not supported yet (only byte-level BPE, 'gpt2', is); "
-                "use the model's tokenizer.json directory instead"
+                f"{gguf.path}: tokenizer type {kind!r} is not supported yet (byte-level BPE, 'gpt2', and Gemma's "
+                "SentencePiece are); use the model's tokenizer.json directory instead"
             )
-        backend = build_byte_level_bpe(meta, gguf.path)
+        else:
+            backend = build_byte_level_bpe(meta, gguf.path)
         ids = gguf_special_ids(meta, backend.get_vocab_size())
         add_bos, add_eos = gguf_add_bos_eos(meta)
         return cls(
