@@ -53,9 +53,11 @@ class LLMEngine:
             raise KvlabError(f"the model was loaded with rotary tables for {model.rotary.cos.shape[0]} positions, "
                              f"fewer than max_model_len {self.max_model_len}: load it with max_positions")  # fmt: skip
         num_blocks = self.pool_plan.num_blocks
-        self.cache = PagedKVCache.for_model(model_config, num_blocks, config.block_size, model.dtype, model.device)
+        layout = self.pool_plan.layout  # KV groups: sliding-window layers keep only their window's blocks
+        self.cache = PagedKVCache.for_model(model_config, num_blocks, config.block_size, model.dtype, model.device,
+                                            layout)  # fmt: skip
         prefix_caching = config.enable_prefix_caching and config.use_cache
-        self.kv = KVCacheManager(num_blocks, config.block_size, prefix_caching)
+        self.kv = KVCacheManager(num_blocks, config.block_size, prefix_caching, layout)
         scheduler_config = SchedulerConfig(self.max_model_len, config.max_num_seqs, config.max_num_batched_tokens,
                                            recompute_every_step=not config.use_cache)  # fmt: skip
         self.scheduler = Scheduler(scheduler_config, self.kv)
@@ -320,9 +322,10 @@ class LLMEngine:
         m.mean_decode_batch = t.decode_batch_sum / t.decode_steps if t.decode_steps else 0.0
         m.num_preemptions = request.num_preemptions
         held = request.num_computed_tokens if self.config.use_cache else 0
-        m.kv_blocks = self.kv.blocks_for(held)
-        m.kv_cache_bytes = held * self.pool_plan.bytes_per_token
-        m.kv_cache_allocated_bytes = m.kv_blocks * self.pool_plan.bytes_per_block
+        layout, bs, per_block = self.pool_plan.layout, self.kv.block_size, self.pool_plan.bytes_per_block
+        m.kv_blocks = layout.blocks_for_sequence(held, bs)  # sliding groups: only the window's blocks
+        m.kv_cache_bytes = layout.slots_for_sequence(held, bs) * (per_block // bs)
+        m.kv_cache_allocated_bytes = m.kv_blocks * per_block
 
     def _finalize(self, request: Request, state: OutputState, out: StepOutput) -> StepOutput:
         """A sequence has ended: close its choice, forget its sampler and state, count it; the request

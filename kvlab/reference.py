@@ -137,5 +137,5 @@ class ReferenceEngine:
         """Recompute the whole sequence at every step: what the KV cache saves."""
         ids = list(prompt_ids)
         while True:
-            token = yield self.forward(ids, NoCache(self.config.num_layers, device=self.device))
+            token = yield self.forward(ids, NoCache.for_model(self.config, device=self.device))
             ids.append(token)

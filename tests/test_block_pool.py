@@ -104,7 +104,7 @@ def test_prefix_hit_shares_full_blocks_and_copies_the_partial_run():
     kv = KVCacheManager(num_blocks=8, block_size=4)
     first = request("a", list(range(10)))
     assert kv.allocate_slots(first, 10) == [BlockZero((0, 1, 2))]  # new blocks are zeroed before use
-    assert kv.block_tables["a"] == [0, 1, 2]
+    assert kv.block_tables["a"] == [[0, 1, 2]]
     first.num_computed_tokens = 10
     kv.register_full_blocks(first)
     kv.free(first)  # blocks 0, 1 full and cached; block 2 holds tokens 8, 9 (partial, copy only)
@@ -113,9 +113,9 @@ def test_prefix_hit_shares_full_blocks_and_copies_the_partial_run():
 
     second = request("b", list(range(9)) + [42, 43])  # agrees with the first on 9 tokens
     hit = kv.find_prefix(second)
-    assert (hit.block_ids, hit.num_tokens, hit.copy_src, hit.copy_len) == ([0, 1], 9, 2, 1)
+    assert (hit.block_ids, hit.num_tokens, hit.copy_srcs, hit.copy_len) == ([[0, 1]], 9, [2], 1)
     ops = kv.allocate_slots(second, second.num_tokens - hit.num_tokens, hit)
-    assert kv.block_tables["b"] == [0, 1, 3]  # a plain free block first; cached block 2 survives
+    assert kv.block_tables["b"] == [[0, 1, 3]]  # a plain free block first; cached block 2 survives
     assert ops == [BlockZero((3,)), BlockCopy(src=2, dst=3, num_tokens=1)]
     assert [kv.pool.ref_count(b) for b in (0, 1, 2, 3)] == [1, 1, 0, 1]
     second.num_computed_tokens = 11
@@ -132,8 +132,8 @@ def test_a_hit_always_leaves_one_token_to_compute():
     kv.register_full_blocks(a)
     same = request("b", list(range(8)))
     hit = kv.find_prefix(same)
-    assert hit.num_tokens == 7 and hit.block_ids == [0]  # block 1 is copied (3 tokens), its last recomputed
-    assert (hit.copy_src, hit.copy_len) == (1, 3)
+    assert hit.num_tokens == 7 and hit.block_ids == [[0]]  # block 1 is copied (3 tokens), its last recomputed
+    assert (hit.copy_srcs, hit.copy_len) == ([1], 3)
     kv.free(a)
 
 
@@ -186,9 +186,9 @@ def test_a_copy_source_reallocated_in_the_same_call_is_read_before_it_is_zeroed(
     kv.free(a)  # block 0 full and cached, block 1 partial ([5, 6]), block 2 never used
     b = request("b", [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11])
     hit = kv.find_prefix(b)
-    assert (hit.block_ids, hit.copy_src, hit.copy_len) == ([0], 1, 2)
+    assert (hit.block_ids, hit.copy_srcs, hit.copy_len) == ([[0]], [1], 2)
     ops = kv.allocate_slots(b, b.num_tokens - hit.num_tokens, hit)
-    assert kv.block_tables["b"] == [0, 2, 1]  # the source (evicted last) became b's third block
+    assert kv.block_tables["b"] == [[0, 2, 1]]  # the source (evicted last) became b's third block
     assert ops == [BlockZero((2,)), BlockCopy(src=1, dst=2, num_tokens=2), BlockZero((1,))]
     kv.pool.check_integrity()
 
@@ -203,7 +203,7 @@ def test_a_copy_source_that_becomes_the_destination_is_neither_zeroed_nor_copied
     b = request("b", [1, 2, 3, 4, 5, 6, 9])
     hit = kv.find_prefix(b)
     assert kv.allocate_slots(b, b.num_tokens - hit.num_tokens, hit) == []
-    assert kv.block_tables["b"] == [0, 1] and hit.num_tokens == 6
+    assert kv.block_tables["b"] == [[0, 1]] and hit.num_tokens == 6
 
 
 # ---- truncation: a request's tail forgotten (drafted tokens a verifier rejected) -------------------
@@ -213,11 +213,11 @@ def test_truncate_frees_whole_blocks_past_the_cut_and_keeps_the_block_it_falls_i
     kv = KVCacheManager(num_blocks=8, block_size=4)
     a = request("a", list(range(14)))
     kv.allocate_slots(a, 14)
-    assert kv.block_tables["a"] == [0, 1, 2, 3]
+    assert kv.block_tables["a"] == [[0, 1, 2, 3]]
     a.num_computed_tokens = 14
     kv.register_full_blocks(a)  # blocks 0, 1, 2 full and findable
     kv.truncate(a, 6)
-    assert kv.block_tables["a"] == [0, 1] and a.num_computed_tokens == 6
+    assert kv.block_tables["a"] == [[0, 1]] and a.num_computed_tokens == 6
     assert [kv.pool.ref_count(b) for b in range(4)] == [1, 1, 0, 0]
     # block 2 is cached (its K/V still match its tokens); block 1, where the cut falls, is no longer findable
     assert kv.pool.lookup(hash_blocks(list(range(12)), 4, [])[2]) == 2
@@ -238,10 +238,10 @@ def test_truncate_into_a_shared_block_copies_it_first():
     b = request("b", list(range(8)) + [50, 51])
     hit = kv.find_prefix(b)
     kv.allocate_slots(b, b.num_tokens - hit.num_tokens, hit)
-    assert kv.block_tables["b"] == [0, 1, 2] and kv.pool.ref_count(1) == 2
+    assert kv.block_tables["b"] == [[0, 1, 2]] and kv.pool.ref_count(1) == 2
     b.num_computed_tokens = 10
     kv.truncate(b, 6)  # the cut falls in block 1, which a still holds; block 2, just freed, is reused for it
-    assert kv.block_tables["b"] == [0, 2] and kv.block_tables["a"] == [0, 1]
+    assert kv.block_tables["b"] == [[0, 2]] and kv.block_tables["a"] == [[0, 1]]
     assert kv.take_pending_ops() == [BlockZero((2,)), BlockCopy(src=1, dst=2, num_tokens=2)]
     assert kv.take_pending_ops() == []  # handed over once
     assert [kv.pool.ref_count(x) for x in range(4)] == [2, 1, 1, 0]
@@ -259,8 +259,8 @@ def test_truncate_on_a_block_boundary_and_out_of_range():
     kv.allocate_slots(a, 7)
     a.num_computed_tokens = 7
     kv.truncate(a, 4)
-    assert kv.block_tables["a"] == [0] and kv.take_pending_ops() == []
+    assert kv.block_tables["a"] == [[0]] and kv.take_pending_ops() == []
     with pytest.raises(ValueError):
         kv.truncate(a, 5)  # past what its table holds
     kv.truncate(a, 0)
-    assert kv.block_tables["a"] == [] and kv.pool.check_integrity().used == 0
+    assert kv.block_tables["a"] == [[]] and kv.pool.check_integrity().used == 0

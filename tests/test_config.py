@@ -13,7 +13,8 @@ import torch
 from kvlab.config import bundled_names, load_config
 from kvlab.errors import KvlabError
 from kvlab.kv.cache import ContiguousKVCache
-from kvlab.memory import count_params, kv_bytes, kv_bytes_per_token, weight_bytes
+from kvlab.kv.layout import KVLayout
+from kvlab.memory import count_params, kv_bytes, kv_bytes_per_token, weight_bytes, window_bytes_per_token
 from kvlab.model.registry import architecture_of
 from kvlab.model.transformer import Transformer
 
@@ -60,7 +61,8 @@ def check_agreement(config, model: Transformer) -> None:
     assert held_params(model) == count_params(config).total  # the calculator's parameter count
     cache = ContiguousKVCache.for_model(config, 64, dtype=torch.bfloat16, device="meta")
     assert cache.nbytes() == kv_bytes(config, 64, kv_dtype="bfloat16")
-    assert cache.bytes_per_token() == kv_bytes_per_token(config, "bfloat16")
+    # the contiguous cache keeps every token of every layer: the growing layers' and the sliding layers' cost
+    assert cache.bytes_per_token() == kv_bytes_per_token(config, "bfloat16") + window_bytes_per_token(config, "bfloat16")
 
 
 @pytest.mark.parametrize("name", bundled_names())
@@ -78,12 +80,13 @@ def test_every_bundled_config_is_built_as_the_calculator_describes_it_or_refused
     check_agreement(config, model)
 
 
-def test_a_sliding_window_llama_is_refused_not_run_without_its_window():
+def test_a_sliding_window_llama_runs_with_its_window():
     config = load_config({"model_type": "mistral", "vocab_size": 100, "hidden_size": 64, "intermediate_size": 128,
                           "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
                           "sliding_window": 4096, "max_position_embeddings": 8192})  # fmt: skip
-    with pytest.raises(KvlabError, match="sliding-window attention"):
-        architecture_of(config)
+    assert architecture_of(config).family == "llama"
+    layout = KVLayout.for_model(config)  # every layer slides: one KV group, which frees what the window left
+    assert [(g.window, g.layers) for g in layout.groups] == [(4096, (0, 1))]
 
 
 def test_gemma3_layers_carry_their_own_window_and_rotary_base():

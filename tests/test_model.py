@@ -46,7 +46,7 @@ def greedy(model, ids: list[int], steps: int, cache) -> list[int]:
 def greedy_no_cache(model, ids: list[int], steps: int) -> list[int]:
     seq = list(ids)
     for _ in range(steps):
-        seq.append(int(run(model, torch.tensor([seq]), NoCache(model.config.num_layers))[0].argmax()))
+        seq.append(int(run(model, torch.tensor([seq]), NoCache.for_model(model.config))[0].argmax()))
     return seq[len(ids) :]
 
 

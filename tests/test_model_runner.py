@@ -9,12 +9,14 @@ from types import SimpleNamespace
 
 import torch
 
+from kvlab.kv.layout import KVLayout
 from kvlab.request import Request
 from kvlab.runner.model_runner import ModelRunner
 from kvlab.sampling.params import SamplingParams
 from kvlab.scheduler import ScheduledChunk
 
 BS = 4  # tokens per block
+ONE_TABLE = KVLayout.uniform((None,))  # every layer in one KV group (no sliding windows)
 
 
 def request(rid: str, n: int) -> Request:
@@ -24,12 +26,12 @@ def request(rid: str, n: int) -> Request:
 def test_a_mixed_step_is_laid_out_exactly():
     r1, r2, r3, r4 = request("r1", 10), request("r2", 6), request("r3", 7), request("r4", 10)
     chunks = [
-        ScheduledChunk(r1, 9, 1, [3, 7, 1]),  # decode: position 9 → block 1, offset 1
-        ScheduledChunk(r2, 5, 1, [2, 5]),  # decode: position 5 → block 5, offset 1
-        ScheduledChunk(r3, 4, 3, [0, 6]),  # the rest of a prompt after a 4-token prefix hit
-        ScheduledChunk(r4, 0, 5, [4, 8]),  # the first 5 of a 10-token prompt: nothing to sample yet
+        ScheduledChunk(r1, 9, 1, [[3, 7, 1]]),  # decode: position 9 → block 1, offset 1
+        ScheduledChunk(r2, 5, 1, [[2, 5]]),  # decode: position 5 → block 5, offset 1
+        ScheduledChunk(r3, 4, 3, [[0, 6]]),  # the rest of a prompt after a 4-token prefix hit
+        ScheduledChunk(r4, 0, 5, [[4, 8]]),  # the first 5 of a 10-token prompt: nothing to sample yet
     ]
-    runner = ModelRunner(model=None, cache=SimpleNamespace(device=torch.device("cpu"), block_size=BS))
+    runner = ModelRunner(model=None, cache=SimpleNamespace(device=torch.device("cpu"), block_size=BS, layout=ONE_TABLE))
     step = runner._build(chunks)
 
     assert step.input_ids.tolist() == [[109, 205, 304, 305, 306, 400, 401, 402, 403, 404]]
@@ -57,8 +59,9 @@ def test_a_mixed_step_is_laid_out_exactly():
 
 def test_unpacked_prompts_get_passes_of_their_own():
     r1, r2 = request("r1", 3), request("r2", 9)
-    runner = ModelRunner(model=None, cache=SimpleNamespace(device=torch.device("cpu"), block_size=BS), pack_prompts=False)
-    plan = SimpleNamespace(chunks=[ScheduledChunk(r1, 2, 1, [5]), ScheduledChunk(r2, 0, 9, [1, 2, 3])], block_ops=[])
+    runner = ModelRunner(model=None, cache=SimpleNamespace(device=torch.device("cpu"), block_size=BS, layout=ONE_TABLE),
+                         pack_prompts=False)
+    plan = SimpleNamespace(chunks=[ScheduledChunk(r1, 2, 1, [[5]]), ScheduledChunk(r2, 0, 9, [[1, 2, 3]])], block_ops=[])
     step = runner.prepare_inputs(plan)
     assert [p.input_ids.shape[1] for p in step.passes] == [1, 9]
     assert step.passes[1].meta.slot_mapping.tolist() == [4, 5, 6, 7, 8, 9, 10, 11, 12]

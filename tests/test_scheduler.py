@@ -43,7 +43,7 @@ def test_one_request_prefills_then_decodes_one_token_per_step():
     r = req("a", 6, max_tokens=3)
     s.add_request(r)
     assert shape(step(s)) == [("a", 0, 6)]
-    assert s.kv.block_tables["a"] == [0, 1] and r.output_token_ids == [7]
+    assert s.kv.block_tables["a"] == [[0, 1]] and r.output_token_ids == [7]
     assert shape(step(s)) == [("a", 6, 1)]
     assert shape(step(s)) == [("a", 7, 1)]
     assert r.status is RequestStatus.FINISHED_LENGTH and r.output_token_ids == [7, 7, 7]
@@ -102,13 +102,13 @@ def test_preemption_frees_the_latest_request_and_recomputes_it_later():
     s.add_request(a)
     s.add_request(b)
     assert shape(step(s)) == [("a", 0, 7), ("b", 0, 7)]
-    assert s.kv.block_tables == {"a": [0, 1], "b": [2, 3]}
+    assert s.kv.block_tables == {"a": [[0, 1]], "b": [[2, 3]]}
     step(s)  # both at 8 tokens computed: every block full
     plan = step(s)  # a needs a third block: b (admitted last) is preempted
     assert [r.request_id for r in plan.preempted] == ["b"]
     assert shape(plan) == [("a", 9 - 1, 1)]
     assert b.status is RequestStatus.WAITING and b.num_computed_tokens == 0 and b.num_preemptions == 1
-    assert s.kv.block_tables == {"a": [0, 1, 2]}  # b's blocks, released last to first: 2 is at the front
+    assert s.kv.block_tables == {"a": [[0, 1, 2]]}  # b's blocks, released last to first: 2 is at the front
     s.kv.pool.check_integrity()
     while not a.is_finished:
         step(s)
@@ -183,9 +183,9 @@ def test_rejected_positions_are_rolled_back_before_their_blocks_are_made_findabl
     r = req("a", 9, max_tokens=4)
     s.add_request(r)
     plan = s.schedule()
-    assert shape(plan) == [("a", 0, 9)] and s.kv.block_tables["a"] == [0, 1, 2]
+    assert shape(plan) == [("a", 0, 9)] and s.kv.block_tables["a"] == [[0, 1, 2]]
     s.update(plan, StepResult({"a": [7]}, num_rejected_tokens={"a": 2}))
-    assert r.num_computed_tokens == 7 and s.kv.block_tables["a"] == [0, 1]  # block 2 held only positions 8, 9
+    assert r.num_computed_tokens == 7 and s.kv.block_tables["a"] == [[0, 1]]  # block 2 held only positions 8, 9
     assert s.kv._num_registered.get("a", 0) == 1  # block 1 (positions 4-7) is not full of accepted tokens
     assert r.output_token_ids == [7] and r.num_tokens == 10
     assert shape(s.schedule()) == [("a", 7, 3)]  # the rejected positions are computed again

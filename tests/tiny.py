@@ -9,11 +9,16 @@ from pathlib import Path
 
 import torch
 
-ARCHS = ["llama", "qwen2", "qwen3", "llama-rope-llama3", "qwen2-rope-yarn", "llama-tied"]
+ARCHS = ["llama", "qwen2", "qwen3", "llama-rope-llama3", "qwen2-rope-yarn", "llama-tied", "gemma3"]
+GEMMA3_WINDOW = 20  # tokens: shorter than the tests' longer prompts, longer than a 16-token block
+GEMMA3_LAYERS = ["sliding_attention"] * 5 + ["full_attention"]  # llama.cpp's 5:1 pattern (layer 5 is global)
 
 
-def build_tiny(kind: str, directory: Path, seed: int = 0) -> Path:
-    """Save a tiny random model of `kind` (see ARCHS) as safetensors in `directory`; return it."""
+def build_tiny(kind: str, directory: Path, seed: int = 0, **gemma3) -> Path:
+    """Save a tiny random model of `kind` (see ARCHS) as safetensors in `directory`; return it.
+
+    `gemma3` options (kind "gemma3"): `window` (GEMMA3_WINDOW) and `layer_types` (GEMMA3_LAYERS).
+    """
     import transformers
 
     common = dict(
@@ -47,6 +52,18 @@ def build_tiny(kind: str, directory: Path, seed: int = 0) -> Path:
     elif kind == "qwen3":
         cls, config_cls = transformers.Qwen3ForCausalLM, transformers.Qwen3Config
         common["head_dim"] = 32  # Qwen3 sets head_dim apart from hidden/heads
+    elif kind == "gemma3":
+        cls, config_cls = transformers.Gemma3ForCausalLM, transformers.Gemma3TextConfig
+        layer_types = list(gemma3.get("layer_types", GEMMA3_LAYERS))
+        common.update(
+            num_hidden_layers=len(layer_types), layer_types=layer_types,
+            sliding_window=gemma3.get("window", GEMMA3_WINDOW), head_dim=32, tie_word_embeddings=True,
+            # not head_dim: the scale is read, not derived (llama.cpp ignores it: give 32 to convert to GGUF)
+            query_pre_attn_scalar=gemma3.get("query_pre_attn_scalar", 24),
+            final_logit_softcapping=30.0,  # None in Gemma 3's own configs; set here so the cap is exercised
+            rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
+                             "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}},
+        )  # fmt: skip
     else:
         raise ValueError(kind)
     torch.manual_seed(seed)
@@ -93,7 +110,9 @@ def _permute_like_llama_cpp(w: "torch.Tensor", num_heads: int) -> "torch.Tensor"
 
 
 def build_tiny_gguf(hf_dir: Path, out: Path, quant="F32") -> Path:
-    """Convert a tiny llama/qwen2 model (with its tokenizer) into a GGUF file, as llama.cpp would.
+    """Convert a tiny llama/qwen2/qwen3/gemma3 model (with its tokenizer) into a GGUF file, as llama.cpp would
+    (Gemma 3: 1 added to every norm weight, its four norms' names, the window; its 5:1 pattern and local
+    rotary base are llama.cpp's own, not written).
 
     `quant`: the GGML type of every matrix ("F32", "F16", "Q8_0", "Q4_0", "Q4_1", "Q5_0"), or a
     function from the GGUF tensor name to one (a mixed file, as Q4_K_M files are); vectors stay F32.
@@ -105,9 +124,8 @@ def build_tiny_gguf(hf_dir: Path, out: Path, quant="F32") -> Path:
     from safetensors.torch import load_file
 
     cfg = json.loads((hf_dir / "config.json").read_text())
-    arch = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}[
-        cfg["architectures"][0]
-    ]
+    arch = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
+            "Gemma3ForCausalLM": "gemma3"}[cfg["architectures"][0]]  # fmt: skip
     writer = gguf.GGUFWriter(str(out), arch)
     writer.add_block_count(cfg["num_hidden_layers"])
     writer.add_context_length(cfg["max_position_embeddings"])
@@ -116,7 +134,12 @@ def build_tiny_gguf(hf_dir: Path, out: Path, quant="F32") -> Path:
     writer.add_head_count(cfg["num_attention_heads"])
     writer.add_head_count_kv(cfg["num_key_value_heads"])
     writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    writer.add_rope_freq_base(cfg.get("rope_parameters", {}).get("rope_theta", 10000.0))
+    rope = cfg.get("rope_parameters", {})
+    writer.add_rope_freq_base(rope.get("full_attention", rope).get("rope_theta", 10000.0))
+    if arch == "gemma3":
+        writer.add_sliding_window(cfg["sliding_window"])
+        if cfg.get("final_logit_softcapping"):
+            writer.add_final_logit_softcapping(cfg["final_logit_softcapping"])
     if cfg.get("head_dim"):
         writer.add_key_length(cfg["head_dim"])
         writer.add_value_length(cfg["head_dim"])
@@ -144,12 +167,18 @@ def build_tiny_gguf(hf_dir: Path, out: Path, quant="F32") -> Path:
         "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
         "mlp.down_proj.weight": "ffn_down.weight",
     }  # fmt: skip
+    if arch == "gemma3":
+        names.update({"post_attention_layernorm.weight": "post_attention_norm.weight",
+                      "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+                      "post_feedforward_layernorm.weight": "post_ffw_norm.weight"})  # fmt: skip
     for name, tensor in load_file(str(hf_dir / "model.safetensors")).items():
         if name.startswith("model.layers."):
             _, _, index, rest = name.split(".", 3)
             gguf_name = f"blk.{index}.{names[rest]}"
         else:
             gguf_name = names[name]
+        if arch == "gemma3" and gguf_name.endswith("norm.weight"):
+            tensor = tensor + 1  # llama.cpp's converter folds Gemma's (1 + w) into the stored weight
         if arch == "llama" and gguf_name.endswith(("attn_q.weight", "attn_k.weight")):
             heads = cfg["num_attention_heads"] if "attn_q" in gguf_name else cfg["num_key_value_heads"]
             tensor = _permute_like_llama_cpp(tensor, heads)

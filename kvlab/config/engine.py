@@ -21,6 +21,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     use_cache: bool = True  # False: recompute every token every step (the KV cache's counterfactual)
     pack_prompts: bool = True  # prompt chunks in the decodes' forward (True) or in forwards of their own
+    # sliding-window layers keep only the blocks their window still reaches (False: every layer keeps
+    # every token, the window only a mask — llama.cpp's --swa-full; kv/layout.py)
+    windowed_kv: bool = True
 
     def context_len(self, model: ModelConfig) -> int:
         """Tokens a sequence may hold: --max-model-len, or the model's trained context; never more than that."""

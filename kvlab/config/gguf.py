@@ -24,6 +24,8 @@ SWA_PERIODS = {"gemma2": 2, "gemma3": 6, "gpt-oss": 2, "cohere2": 4}
 GATED_DELTANET_ARCHS = {"qwen3next", "qwen35", "qwen35moe"}  # other ssm_* blocks are Mamba-2
 GELU_ARCHS = {"gemma", "gemma2", "gemma3"}  # their MLPs gate with tanh-approximated GELU, the rest with SiLU
 SWA_ROPE_BASE = {"gemma3": 10_000.0}  # sliding layers' rotary base where the file has no freq_base_swa
+# llama.cpp's Gemma converter adds 1 to every norm weight (Gemma computes x̂ · (1 + w)): applied as x̂ · w
+NORM_SHIFTED_ARCHS = GELU_ARCHS
 _BLOCK_NORMS = ("attn_norm", "ffn_norm", "post_attention_norm", "post_ffw_norm")
 
 
@@ -45,16 +47,21 @@ def config_from_gguf(gguf: GGUFFile, *, name: str | None = None) -> ModelConfig:
         vocab = len(gguf.metadata["tokenizer.ggml.tokens"])
     has_state = any(isinstance(layer.mixer, (GatedDeltaNet, Mamba2)) for layer in layers)
     eps = gguf.metadata.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)
+    hidden = meta.int(f"{arch}.embedding_length")
+    softcap = gguf.metadata.get(f"{arch}.final_logit_softcapping")
     bos, eos = gguf.metadata.get("tokenizer.ggml.bos_token_id"), gguf.metadata.get("tokenizer.ggml.eos_token_id")
     return ModelConfig(
         architecture=arch,
-        hidden_size=meta.int(f"{arch}.embedding_length"),
+        hidden_size=hidden,
         vocab_size=vocab,
         layers=tuple(_with_rope(layer, arch, gguf.metadata, rope) for layer in layers),
         tie_word_embeddings="output.weight" not in tensors,
         max_position_embeddings=meta.int(f"{arch}.context_length", required=False),
         rms_norm_eps=float(eps),
         rope=rope,
+        embedding_scale=hidden**0.5 if arch in NORM_SHIFTED_ARCHS else None,  # llama.cpp scales Gemmas' embeddings
+        norm_offset=0.0 if arch in NORM_SHIFTED_ARCHS else None,
+        final_logit_softcap=float(softcap) if isinstance(softcap, (int, float)) and softcap > 0 else None,
         dtype="float16",  # llama.cpp's default cache type
         state_dtype="float32" if has_state else None,  # llama.cpp keeps recurrent states in f32
         bos_token_id=None if bos is None else int(bos),
@@ -73,6 +80,14 @@ def _with_rope(layer: Layer, arch: str, metadata: dict, rope: RopeConfig) -> Lay
         return layer
     base = float(metadata.get(f"{arch}.rope.freq_base_swa", SWA_ROPE_BASE[arch]))
     return dataclasses.replace(layer, mixer=dataclasses.replace(mixer, rope=RopeConfig(theta=base)))
+
+
+def _attention_scale(meta: _Meta, arch: str, heads: int, head_dim: int) -> float | None:
+    """llama.cpp scales Gemma 3's q·k by 1/√head_dim, except for the 27B (62 blocks): 1/√(hidden / heads),
+    which is its query_pre_attn_scalar of 168; None means 1/√head_dim."""
+    if arch != "gemma3" or meta.int(f"{arch}.block_count") != 62:
+        return None
+    return (meta.int(f"{arch}.embedding_length") / heads) ** -0.5
 
 
 class _Meta:
@@ -132,7 +147,7 @@ def _attention(meta: _Meta, arch: str, i: int, heads: int, kv_heads: int, has):
     value = meta.int(f"{arch}.attention.value_length", required=False) or key
     return Attention(num_heads=heads, kv_heads=kv_heads, head_dim=key, v_head_dim=value,
                      window=_window(meta, arch, i), qkv_bias=has("attn_q.bias"), o_bias=has("attn_output.bias"),
-                     qk_norm=has("attn_q_norm.weight"))
+                     qk_norm=has("attn_q_norm.weight"), scale=_attention_scale(meta, arch, heads, key))
 
 
 def _window(meta: _Meta, arch: str, i: int) -> int | None:

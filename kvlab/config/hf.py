@@ -34,12 +34,14 @@ CLASS_DEFAULTS: dict[str, dict[str, Any]] = {
         "vocab_size": 262208, "max_position_embeddings": 131072, "sliding_window": 4096,
         "sliding_window_pattern": 6, "tie_word_embeddings": True, "head_dim": 256,
         "rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0, "hidden_activation": "gelu_pytorch_tanh",
+        "query_pre_attn_scalar": 256,
     },
     "gemma2": {"sliding_window_pattern": 2, "tie_word_embeddings": True},
     "gemma": {"tie_word_embeddings": True},
 }
 QK_NORM_TYPES = {"qwen3", "qwen3_moe", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "gemma3_text", "olmo2"}
 QKV_BIAS_TYPES = {"qwen2", "qwen2_moe"}  # q, k, v always carry a bias; o does not
+GEMMA_TYPES = {"gemma", "gemma2", "gemma3_text"}  # scaled embeddings, RMSNorm as x̂ · (1 + w)
 SLIDING_ONLY_WITH_FLAG = {"qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "qwen3_next", "smollm3"}
 _LAYER_TYPE_NAMES = {
     "full_attention": "full", "attention": "full", "global": "full",
@@ -87,6 +89,9 @@ def config_from_hf(raw: dict, *, name: str, source: str) -> ModelConfig:
                                       required=False, limit=2**40),
         rms_norm_eps=_float(cfg, "rms_norm_eps", 1e-6, source),
         rope=rope,
+        embedding_scale=hidden**0.5 if model_type in GEMMA_TYPES else None,
+        norm_offset=1.0 if model_type in GEMMA_TYPES else None,
+        final_logit_softcap=_optional_float(cfg, "final_logit_softcapping", source),
         dtype=_dtype(cfg, notes),
         mtp_layers=_mtp_layers(cfg, r, layers),
         quantization=_quantization(cfg.get("quantization_config")),
@@ -103,6 +108,10 @@ def _float(cfg: dict, key: str, default: float, source: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
         raise KvlabError(f"{source}: '{key}' must be a positive number, got {value!r}")
     return float(value)
+
+
+def _optional_float(cfg: dict, key: str, source: str) -> float | None:
+    return None if cfg.get(key) is None else _float(cfg, key, 1.0, source)
 
 
 def _token_id(value: object) -> int | None:
@@ -256,7 +265,14 @@ def _mixer(kind: str, cfg: dict, r: _Reader, model_type: str, notes: list[str], 
         output_gate=bool(cfg.get("attn_output_gate", model_type == "qwen3_next")),
         sinks=model_type == "gpt_oss",
         rope=_layer_rope(kind, cfg, rope),
+        scale=_attention_scale(cfg, r, model_type, head_dim),
     )
+
+
+def _attention_scale(cfg: dict, r: _Reader, model_type: str, head_dim: int) -> float | None:
+    """Gemma 2/3 scale q·k by query_pre_attn_scalar^-1/2 (27B: 168, not its head_dim of 128); None: 1/√head_dim."""
+    scalar = r.int("query_pre_attn_scalar", required=False) if model_type in ("gemma2", "gemma3_text") else None
+    return None if scalar is None or scalar == head_dim else scalar**-0.5
 
 
 def _layer_rope(kind: str, cfg: dict, rope: RopeConfig) -> RopeConfig | None:

@@ -31,6 +31,7 @@ class Attention:
     output_gate: bool = False  # q_proj also emits a sigmoid gate per head (Qwen3-Next, Qwen3.5)
     sinks: bool = False  # one learned sink logit per head (gpt-oss)
     rope: RopeConfig | None = None  # this layer's own rotary settings (Gemma 3's sliding layers); None: the model's
+    scale: float | None = None  # multiplier of q·k; None: 1/√head_dim (Gemma 3: query_pre_attn_scalar^-1/2)
 
     @property
     def label(self) -> str:

@@ -78,6 +78,11 @@ class ModelConfig:
     max_position_embeddings: int | None = None  # trained context length; None when the source does not say
     rms_norm_eps: float = 1e-6
     rope: RopeConfig = field(default_factory=RopeConfig)  # of every attention layer without its own
+    embedding_scale: float | None = None  # token embeddings times this, in the weights' dtype (Gemma: √hidden)
+    # RMSNorm's weight applied as x̂ · (norm_offset + w) in float32, rounded once (Gemma: 1.0 in its own
+    # checkpoints, 0.0 in llama.cpp's GGUFs, whose converter added the 1); None: Llama's w · x̂
+    norm_offset: float | None = None
+    final_logit_softcap: float | None = None  # logits = cap · tanh(logits / cap); None: raw logits
     dtype: str = "bfloat16"  # the checkpoint's own dtype: default KV dtype and state dtype
     state_dtype: str | None = None  # dtype of every recurrent state when the runtime fixes it (llama.cpp: f32)
     mtp_layers: tuple[Layer, ...] = ()  # multi-token-prediction modules, counted only after with_mtp()

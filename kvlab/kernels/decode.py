@@ -106,10 +106,13 @@ class FusedDecode:
         """The fused step for `model`, or None where a layer is not one decode.c computes."""
         from kvlab.model.attention import sdpa_attention
         from kvlab.model.layers import RMSNorm, SwiGLU
+        from kvlab.model.transformer import DecoderLayer
 
         lib = _library()
         if lib is None or model.dtype != torch.float32 or model.device.type != "cpu":
             return None
+        if model.embed_scale is not None or model.logit_softcap is not None:
+            return None  # Gemma's scaled embeddings and capped logits are not the step's
         c = model.config
         layers = []
         for layer in model.layers:
@@ -117,7 +120,10 @@ class FusedDecode:
             norms = [layer.input_norm, layer.post_attn_norm] + ([attn.q_norm, attn.k_norm] if attn.q_norm else [])
             if not isinstance(mlp, SwiGLU) or attn.attend is not sdpa_attention:
                 return None  # another MLP, or the lab's materialized attention
-            if not all(isinstance(n, RMSNorm) and _float32_vector(n.weight) and n.eps == c.rms_norm_eps for n in norms):
+            own = (attn.window, attn.scale, attn.rope)  # a sliding window, a q·k scale, a rotary table of its own
+            if type(layer) is not DecoderLayer or own != (None, None, None):
+                return None  # those, or Gemma's four norms: not what decode.c computes
+            if not all(type(n) is RMSNorm and _float32_vector(n.weight) and n.eps == c.rms_norm_eps for n in norms):
                 return None
             parts = [_linear(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
             if any(p is None for p in parts):

@@ -12,7 +12,10 @@ each prompt chunk alone) and reads each group's keys through its block table.
 
 A forward pass is described by `AttentionMetadata`, built once by whoever drives the model
 (`cache.plan(num_new_tokens)` for the caches here; the ModelRunner builds the paged cache's own
-`PagedMetadata`), shared by all layers, then `cache.commit(meta)` once the pass is done.
+`PagedMetadata`), shared by all layers, then `cache.commit(meta)` once the pass is done. A layer with
+a sliding window of W tokens sees the pass through `meta.for_window(W)`: the same tokens, a mask that
+also hides every key more than W − 1 positions before its query (transformers' kv_idx > q_idx − W).
+The caches here keep every token of every layer (the paged cache frees what windows no longer reach).
 
 A cache class owns its storage facts: `bytes_per_token_for(config, dtype)` says what one token costs
 in its layout before anything is allocated (the KV pool is planned from it), and an allocated cache
@@ -23,7 +26,8 @@ that adds scale tensors changes this file's classes, not their callers.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from collections.abc import Iterable
+from dataclasses import dataclass, field
 
 import torch
 
@@ -37,11 +41,14 @@ class AttentionMetadata:
     attn_mask:  [1 or B, 1, T, L] bool, True where a query may look at a key; None when plain
                 causal attention over the new tokens is enough (start == 0), or when T == 1 and every
                 sequence sees all L keys
+    windowed:   window W → this pass as a layer with a sliding window of W tokens sees it (one entry
+                for each window of the model's layers; the entry is this same object where W hides nothing)
     """
 
     positions: torch.Tensor
     start: int
     attn_mask: torch.Tensor | None = None
+    windowed: dict[int, AttentionMetadata] = field(default_factory=dict)
 
     @property
     def num_new_tokens(self) -> int:
@@ -49,19 +56,40 @@ class AttentionMetadata:
 
     @property
     def is_causal(self) -> bool:
-        """SDPA's own causal mask is right when nothing is cached yet and several tokens come in."""
-        return self.start == 0 and self.num_new_tokens > 1
+        """SDPA's own causal mask is right when nothing is cached yet, several tokens come in and no
+        mask says more (a window)."""
+        return self.attn_mask is None and self.start == 0 and self.num_new_tokens > 1
+
+    def for_window(self, window: int | None) -> AttentionMetadata:
+        """The pass as a layer with a sliding window of `window` tokens sees it (None: the whole context)."""
+        return self if window is None else self.windowed[window]
 
 
-def build_metadata(start: int, num_new: int, batch_size: int, device: torch.device) -> AttentionMetadata:
-    """Metadata for `num_new` tokens appended after `start` cached tokens in every sequence."""
+def window_mask(query_positions: torch.Tensor, key_positions: torch.Tensor, window: int | None) -> torch.Tensor:
+    """[..., T, L] bool: key position k is visible from query position q when k ≤ q and, with a window
+    W, k > q − W (the query itself and the W − 1 keys before it). Broadcasts [..., T] against [..., L]."""
+    q, k = query_positions[..., :, None], key_positions[..., None, :]
+    visible = k <= q
+    return visible & (k > q - window) if window is not None else visible
+
+
+def build_metadata(
+    start: int, num_new: int, batch_size: int, device: torch.device, windows: Iterable[int] = ()
+) -> AttentionMetadata:
+    """Metadata for `num_new` tokens appended after `start` cached tokens in every sequence, with one
+    windowed view for each sliding window in `windows`."""
     positions = torch.arange(start, start + num_new, device=device).expand(batch_size, num_new)
+    keys = torch.arange(start + num_new, device=device)
     mask = None
-    if start > 0 and num_new > 1:
-        # query i (at position start+i) may see keys 0 .. start+i
-        keys = torch.arange(start + num_new, device=device)
-        mask = (keys[None, :] <= positions[0, :, None])[None, None]  # [1, 1, T, start+T]
-    return AttentionMetadata(positions=positions, start=start, attn_mask=mask)
+    if start > 0 and num_new > 1:  # query i (at position start+i) may see keys 0 .. start+i
+        mask = window_mask(positions[0], keys, None)[None, None]  # [1, 1, T, start+T]
+    meta = AttentionMetadata(positions=positions, start=start, attn_mask=mask)
+    for w in set(windows):
+        hides = start + num_new > w  # the last query's window starts after key 0
+        meta.windowed[w] = meta if not hides else AttentionMetadata(
+            positions=positions, start=start, attn_mask=window_mask(positions[0], keys, w)[None, None]
+        )  # fmt: skip
+    return meta
 
 
 def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
@@ -69,10 +97,19 @@ def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
     return 2 * config.num_layers * config.num_kv_heads * config.head_dim * dtype.itemsize
 
 
+def layer_windows(config) -> tuple[int | None, ...]:
+    """Each layer's sliding window in tokens (None: it sees the whole context)."""
+    return tuple(getattr(layer.mixer, "window", None) for layer in config.layers)
+
+
 class KVCache(ABC):
     """Where attention layers keep the keys and values of tokens already processed."""
 
     num_layers: int
+    windows: tuple[int | None, ...] = ()  # each layer's sliding window (empty: none has one)
+
+    def window(self, layer: int) -> int | None:
+        return self.windows[layer] if self.windows else None
 
     @classmethod
     def bytes_per_token_for(cls, config, dtype: torch.dtype) -> int:
@@ -102,11 +139,14 @@ class KVCache(ABC):
     def attend(self, layer: int, q, k, v, meta: AttentionMetadata, attention) -> torch.Tensor:
         """Store k, v [B, Hkv, T, D]; return attention(q, keys, values, meta) [B, H, T, D] over what q may see."""
         k_all, v_all = self.update(layer, k, v, meta)
-        return attention(q, k_all, v_all, meta)
+        return attention(q, k_all, v_all, meta.for_window(self.window(layer)))
 
 
 class SingleBatchKVCache(KVCache):
     """A cache whose B sequences advance together: `plan` a pass, run the model, `commit` it."""
+
+    def _window_set(self) -> set[int]:
+        return {w for w in self.windows if w is not None}
 
     @abstractmethod
     def plan(self, num_new_tokens: int) -> AttentionMetadata:
@@ -120,7 +160,8 @@ class SingleBatchKVCache(KVCache):
 class ContiguousKVCache(SingleBatchKVCache):
     """One preallocated K and V tensor per layer: [B, Hkv, max_len, D]. No copies per step.
 
-    `length` tokens of every sequence are valid; `truncate(n)` rewinds (the slots are reused).
+    `length` tokens of every sequence are valid; `truncate(n)` rewinds (the slots are reused). A
+    sliding-window layer keeps every token too (its window is a mask): this is the simple oracle.
     """
 
     def __init__(
@@ -132,8 +173,10 @@ class ContiguousKVCache(SingleBatchKVCache):
         batch_size: int = 1,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        windows: tuple[int | None, ...] = (),
     ):
         self.num_layers = num_layers
+        self.windows = windows
         self.max_len = max_len
         self.batch_size = batch_size
         self.length = 0
@@ -143,7 +186,8 @@ class ContiguousKVCache(SingleBatchKVCache):
 
     @classmethod
     def for_model(cls, config, max_len: int, batch_size: int = 1, dtype=torch.float32, device="cpu"):
-        return cls(config.num_layers, config.num_kv_heads, config.head_dim, max_len, batch_size, dtype, device)
+        return cls(config.num_layers, config.num_kv_heads, config.head_dim, max_len, batch_size, dtype, device,
+                   windows=layer_windows(config))  # fmt: skip
 
     @property
     def device(self) -> torch.device:
@@ -168,7 +212,7 @@ class ContiguousKVCache(SingleBatchKVCache):
         end = self.length + num_new_tokens
         if end > self.max_len:
             raise ValueError(f"KV cache holds {self.max_len} tokens; {end} needed")
-        return build_metadata(self.length, num_new_tokens, self.batch_size, self.device)
+        return build_metadata(self.length, num_new_tokens, self.batch_size, self.device, self._window_set())
 
     def commit(self, meta: AttentionMetadata) -> None:
         self.length = meta.start + meta.num_new_tokens
@@ -205,14 +249,20 @@ class ContiguousKVCache(SingleBatchKVCache):
 class NoCache(SingleBatchKVCache):
     """Keeps nothing: every pass must carry the whole sequence (the lab's recomputation mode)."""
 
-    def __init__(self, num_layers: int, batch_size: int = 1, device: torch.device | str = "cpu"):
+    def __init__(self, num_layers: int, batch_size: int = 1, device: torch.device | str = "cpu",
+                 windows: tuple[int | None, ...] = ()):  # fmt: skip
         self.num_layers = num_layers
         self.batch_size = batch_size
         self.device = torch.device(device)
+        self.windows = windows
         self._current: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
+    @classmethod
+    def for_model(cls, config, batch_size: int = 1, device="cpu") -> NoCache:
+        return cls(config.num_layers, batch_size, device, windows=layer_windows(config))
+
     def plan(self, num_new_tokens: int) -> AttentionMetadata:
-        return build_metadata(0, num_new_tokens, self.batch_size, self.device)
+        return build_metadata(0, num_new_tokens, self.batch_size, self.device, self._window_set())
 
     def commit(self, meta: AttentionMetadata) -> None:
         self._current.clear()

@@ -1,6 +1,11 @@
-"""The paged KV cache: one pool of fixed-size blocks per layer, read through block tables.
+"""The paged KV cache: one pool of fixed-size blocks, read through block tables.
 
     k[layer]: [num_blocks, block_size, Hkv, D]   (v alike)      slot = block * block_size + offset
+
+With sliding-window layers the layers form KV groups (`kv/layout.py`): each group has its own block
+table per request and its layers share the pool's tensors — layer `group.layers[j]` is slot j, so
+`k[layer]` is the same tensor for the j-th layer of every group, and a block id means "these
+block_size tokens of one group's layers". `tensors()` lists each tensor once.
 
 A step packs every scheduled token into one row ([1, N]: decodes first, then each prompt chunk), so
 linear layers see all of them at once. Attention cannot be packed that way — each sequence has its
@@ -12,6 +17,8 @@ own keys — so `attend` splits the step into groups (`PagedMetadata.groups`):
                  causal mask offset by start
 
 New keys and values are written first, through the slot mapping, so a group reads its own tokens.
+A sliding group's tables start at the first block its window reaches; each attention group's mask,
+`meta.for_window(W)`, hides what lies before a query's window.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from kvlab.kv.cache import AttentionMetadata, KVCache
+from kvlab.kv.layout import KVLayout
 from kvlab.kv.manager import BlockZero
 
 
@@ -32,8 +40,8 @@ class AttentionGroup:
     lo: int  # first token of the group in the step's packed order
     hi: int  # one past its last
     block_tables: torch.Tensor  # [B, num_table_blocks] long; short tables padded (the padding is masked)
-    num_keys: int  # L: keys of the longest sequence, this step's tokens included
-    meta: AttentionMetadata  # positions [B, T]; attn_mask None, causal-after-start, or key padding
+    num_keys: int  # L: keys gathered for the longest sequence, this step's tokens included
+    meta: AttentionMetadata  # positions [B, T]; attn_mask None, causal-after-start, key padding, window
 
     @property
     def batch_size(self) -> int:
@@ -41,12 +49,34 @@ class AttentionGroup:
 
 
 @dataclass
+class KVGroupMetadata:
+    """One KV group's share of a step: where its layers write each token, and what each attention group reads."""
+
+    slot_mapping: torch.Tensor  # [N] long: the slot each new token's K/V is written to
+    groups: list[AttentionGroup]  # in packed order, covering tokens 0..N-1 once
+
+
+@dataclass
 class PagedMetadata:
     """A step's packed tokens: where each one sits, where its K/V is written, and who attends to what."""
 
     positions: torch.Tensor  # [1, N] long: absolute position of each packed token (its RoPE angle)
-    slot_mapping: torch.Tensor  # [N] long: the slot each new token's K/V is written to
-    groups: list[AttentionGroup]  # in packed order, covering tokens 0..N-1 once
+    kv_groups: list[KVGroupMetadata]  # one per KV group of the cache's layout
+
+    @property
+    def slot_mapping(self) -> torch.Tensor:
+        """The slot mapping of a cache with one KV group (every layer shares one table)."""
+        return self._only().slot_mapping
+
+    @property
+    def groups(self) -> list[AttentionGroup]:
+        """The attention groups of a cache with one KV group."""
+        return self._only().groups
+
+    def _only(self) -> KVGroupMetadata:
+        if len(self.kv_groups) != 1:
+            raise ValueError("this step spans several KV groups: read it group by group (kv_groups)")
+        return self.kv_groups[0]
 
 
 class PagedKVCache(KVCache):
@@ -59,29 +89,44 @@ class PagedKVCache(KVCache):
         head_dim: int,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        layout: KVLayout | None = None,
     ):
         self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
+        self.layout = layout or KVLayout.uniform((None,) * num_layers)
+        self.windows = self.layout.layer_windows
+        self.placement = self.layout.placement()  # (KV group, slot) of each layer
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         # uninitialised: on a CPU the pages stay untouched (not resident) until a block is first used;
         # every block is zeroed when allocated (kv.manager.BlockZero)
-        self.k = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        slots = self.layout.layers_per_block
+        self._k = [torch.empty(shape, dtype=dtype, device=device) for _ in range(slots)]
+        self._v = [torch.empty(shape, dtype=dtype, device=device) for _ in range(slots)]
+        self.k = [self._k[slot] for _, slot in self.placement]  # per layer (layers of different groups alias)
+        self.v = [self._v[slot] for _, slot in self.placement]
 
     @classmethod
-    def for_model(cls, config, num_blocks: int, block_size: int = 16, dtype=torch.float32, device="cpu"):
-        return cls(config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim, dtype, device)
+    def for_model(cls, config, num_blocks: int, block_size: int = 16, dtype=torch.float32, device="cpu",
+                  layout: KVLayout | None = None):  # fmt: skip
+        return cls(config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim, dtype, device,
+                   layout or KVLayout.for_model(config))  # fmt: skip
+
+    @classmethod
+    def bytes_per_block_for(cls, config, dtype: torch.dtype, block_size: int, layout: KVLayout) -> int:
+        """Bytes of one block: block_size tokens of the layout's layers per block (K, V and any scales)."""
+        return cls.bytes_per_token_for(config, dtype) * layout.layers_per_block // config.num_layers * block_size
 
     @property
     def device(self) -> torch.device:
         return self.k[0].device
 
     def tensors(self) -> list[torch.Tensor]:
-        """Every tensor of the pool; each is indexed by block first, so a block operation touches all of them."""
-        return self.k + self.v
+        """Every tensor of the pool, once; each is indexed by block first, so a block operation touches all of them."""
+        return self._k + self._v
 
     def bytes_per_token(self) -> int:
-        """Bytes one token takes across all layers (K and V)."""
+        """Bytes one token slot of a block takes: K and V of the layers a block holds (every layer
+        with one KV group)."""
         return self.bytes_per_block() // self.block_size
 
     def bytes_per_block(self) -> int:
@@ -89,8 +134,8 @@ class PagedKVCache(KVCache):
 
     # ---- writes and reads -------------------------------------------------------------------------
 
-    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, meta: PagedMetadata) -> None:
-        """k, v [1, Hkv, N, D] of the step's packed tokens → their slots."""
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, meta: KVGroupMetadata) -> None:
+        """k, v [1, Hkv, N, D] of the step's packed tokens → their slots (the layer's KV group's mapping)."""
         Hkv, D = self.num_kv_heads, self.head_dim
         self.k[layer].view(-1, Hkv, D).index_copy_(0, meta.slot_mapping, k[0].transpose(0, 1))
         self.v[layer].view(-1, Hkv, D).index_copy_(0, meta.slot_mapping, v[0].transpose(0, 1))
@@ -106,22 +151,26 @@ class PagedKVCache(KVCache):
 
     def read(self, layer: int, meta: PagedMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """The keys and values of a step with a single group (see `attend` for the general case)."""
-        if len(meta.groups) != 1:
+        view = meta.kv_groups[self.placement[layer][0]]
+        if len(view.groups) != 1:
             raise ValueError("a paged step with several attention groups is read group by group (attend)")
-        return self.gather(layer, meta.groups[0])
+        return self.gather(layer, view.groups[0])
 
     def attend(self, layer: int, q, k, v, meta: PagedMetadata, attention) -> torch.Tensor:
         """q [1, H, N, D], k, v [1, Hkv, N, D] packed → [1, H, N, D]: each group attends to its own keys."""
-        self.write(layer, k, v, meta)
+        view = meta.kv_groups[self.placement[layer][0]]  # the layer's KV group: its slots and tables
+        window = self.window(layer)
+        self.write(layer, k, v, view)
         outs = []
-        for group in meta.groups:
+        for group in view.groups:
             k_all, v_all = self.gather(layer, group)
             q_group = q[:, :, group.lo : group.hi]  # [1, H, T, D]
+            group_meta = group.meta.for_window(window)
             if group.batch_size == 1:
-                outs.append(attention(q_group, k_all, v_all, group.meta))
+                outs.append(attention(q_group, k_all, v_all, group_meta))
                 continue
             q_batch = q_group[0].transpose(0, 1).unsqueeze(2)  # decodes: token i is sequence i → [B, H, 1, D]
-            out = attention(q_batch, k_all, v_all, group.meta)  # [B, H, 1, D]
+            out = attention(q_batch, k_all, v_all, group_meta)  # [B, H, 1, D]
             outs.append(out.squeeze(2).transpose(0, 1).unsqueeze(0))  # back to [1, H, B, D]
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
 

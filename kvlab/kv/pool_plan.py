@@ -2,8 +2,11 @@
 
     bytes per token = what the cache class says one token costs (plain K and V: 2 × layers × kv heads
                       × head dim × bytes per number)
-    blocks          = budget // (bytes per token × block_size)
-    max concurrency = blocks × block_size ÷ max_model_len   (sequences that fit at full context)
+    bytes per block = bytes per token × block_size × layers per block ÷ layers (kv/layout.py: every
+                      layer, or one KV group's layers when the model has sliding windows)
+    blocks          = budget // bytes per block
+    max concurrency = blocks ÷ blocks one sequence holds at max_model_len (sequences that fit at full
+                      context; a sliding group holds only its window: kvlab mem's windowed figure)
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import torch
 
 from kvlab.config import EngineConfig, ModelConfig
 from kvlab.errors import KvlabError
+from kvlab.kv.layout import KVLayout
 from kvlab.kv.paged import PagedKVCache
 
 DEFAULT_KV_FRACTION = 0.2  # of free memory, when --kv-memory is not given
@@ -22,25 +26,28 @@ DEFAULT_KV_FRACTION = 0.2  # of free memory, when --kv-memory is not given
 @dataclass(frozen=True)
 class KVPoolPlan:
     block_size: int
-    bytes_per_token: int  # in the cache class's layout (scales included)
+    bytes_per_token: int  # every layer, in the cache class's layout (scales included)
     num_blocks: int
     max_model_len: int  # tokens one sequence may hold
     source: str  # where the budget came from, in words
-
-    @property
-    def bytes_per_block(self) -> int:
-        return self.bytes_per_token * self.block_size
+    layout: KVLayout  # which layers a block holds; sliding groups keep only their window
+    bytes_per_block: int  # block_size tokens of one block's layers
 
     @property
     def num_tokens(self) -> int:
-        return self.num_blocks * self.block_size
+        """Tokens of every layer the pool holds (as if no window released anything)."""
+        return self.nbytes // self.bytes_per_token
 
     @property
     def nbytes(self) -> int:
         return self.num_blocks * self.bytes_per_block
 
+    def blocks_per_sequence(self, context: int) -> int:
+        """Blocks one sequence of `context` tokens holds between steps."""
+        return self.layout.blocks_for_sequence(context, self.block_size)
+
     def max_concurrency(self, context: int) -> float:
-        return self.num_tokens / context
+        return self.num_blocks / self.blocks_per_sequence(context)
 
 
 def free_memory_bytes(device: torch.device) -> int:
@@ -66,13 +73,17 @@ def plan_kv_pool(
 
     Without an explicit byte count (`kv_memory_bytes`): `kv_memory_fraction` of free memory (default
     0.2), but no more than `max_num_seqs` sequences at full context need. Bytes per token are the cache
-    class's own (`cache_cls.bytes_per_token_for`, the paged cache by default).
+    class's own (`cache_cls.bytes_per_token_for`, the paged cache by default). The layout groups
+    sliding-window layers apart (`config.windowed_kv`), so one sequence holds fewer blocks.
     """
     block_size, max_model_len = config.block_size, config.context_len(model)
     if block_size < 1:
         raise KvlabError(f"--block-size must be at least 1, got {block_size}")
+    layout = KVLayout.for_model(model, windowed=config.windowed_kv)
     per_token = cache_cls.bytes_per_token_for(model, dtype)
-    per_block = per_token * block_size
+    per_block = cache_cls.bytes_per_block_for(model, dtype, block_size, layout)
+    # a sequence at full context in its largest step: a sliding group's window plus a whole chunk
+    peak = layout.peak_blocks(max_model_len, block_size, config.max_num_batched_tokens)
     if config.kv_memory_bytes is not None:
         budget, source = config.kv_memory_bytes, "--kv-memory"
     else:
@@ -80,15 +91,15 @@ def plan_kv_pool(
         if not 0 < fraction <= 1:
             raise KvlabError(f"--kv-memory-fraction must be in (0, 1], got {fraction}")
         free = free_memory_bytes(device)
-        wanted = config.max_num_seqs * -(-max_model_len // block_size) * per_block
+        wanted = config.max_num_seqs * peak * per_block
         budget = min(int(fraction * free), wanted)
         source = (f"min({fraction:g} × {free / 2**30:.1f} GiB free, {config.max_num_seqs} sequences × "
                   f"{max_model_len} tokens)")  # fmt: skip
     num_blocks = budget // per_block
-    if num_blocks * block_size < max_model_len:
+    if num_blocks < peak:
         raise KvlabError(
-            f"the KV pool ({budget / 2**20:.1f} MiB = {num_blocks * block_size} tokens) cannot hold one "
-            f"sequence of {max_model_len} tokens ({per_token} bytes per token): give more --kv-memory "
+            f"the KV pool ({budget / 2**20:.1f} MiB = {num_blocks} blocks) cannot hold one sequence of "
+            f"{max_model_len} tokens ({peak} blocks of {per_block:,} bytes): give more --kv-memory "
             f"or a smaller --max-model-len"
         )
-    return KVPoolPlan(block_size, per_token, num_blocks, max_model_len, source)
+    return KVPoolPlan(block_size, per_token, num_blocks, max_model_len, source, layout, per_block)

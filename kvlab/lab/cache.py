@@ -75,7 +75,7 @@ def run(lab: Lab) -> CacheResult:
         def recompute():
             ids, produced[:] = sequence, []
             for _ in range(n):  # every step: a fresh, empty cache and the whole sequence
-                token = forward(lab.model, NoCache(lab.config.num_layers, device=ids.device), ids).argmax(-1)
+                token = forward(lab.model, NoCache.for_model(lab.config, device=ids.device), ids).argmax(-1)
                 produced.append(int(token))
                 ids = torch.cat([ids, token[:, None]], dim=1)
 

@@ -1,6 +1,7 @@
 """Attention implementations: how new queries look at the cached keys and values.
 
-Both take q [B, H, T, D] and k, v [B, Hkv, L, D] (L = cached + new tokens) and return [B, H, T, D].
+Both take q [B, H, T, D] and k, v [B, Hkv, L, D] (L = cached + new tokens) and return [B, H, T, D];
+`scale` multiplies q·k (None: 1/√D; Gemma 3 sets its own).
 Query head h reads key/value head h // (H / Hkv); neither copies K or V per query head. A mask in
 the metadata (`attn_mask`, True = may look) covers causal order after a cached prefix and, for a
 batch of sequences of different lengths, the padding keys past each one's end.
@@ -21,24 +22,27 @@ import torch.nn.functional as F
 from kvlab.kv.cache import AttentionMetadata
 
 
-def sdpa_attention(q, k, v, meta: AttentionMetadata) -> torch.Tensor:
+def sdpa_attention(q, k, v, meta: AttentionMetadata, scale: float | None = None) -> torch.Tensor:
     B, H, T, D = q.shape
     Hkv = k.shape[1]
     if T == 1 and H != Hkv:
         # decode: one query per head needs no causal mask, so the H/Hkv query heads that share a K/V
         # head can stand as rows of one head: plain attention over Hkv heads, no GQA expansion at all.
         # A batch of different lengths brings a key mask [B, 1, 1, L]; it broadcasts over those rows.
-        out = F.scaled_dot_product_attention(q.reshape(B, Hkv, H // Hkv, D), k, v, attn_mask=meta.attn_mask)
+        grouped = q.reshape(B, Hkv, H // Hkv, D)
+        out = F.scaled_dot_product_attention(grouped, k, v, attn_mask=meta.attn_mask, scale=scale)
         return out.reshape(B, H, 1, D)  # a GPU kernel may hand back [B, Hkv, g, D] in another layout
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=meta.attn_mask, is_causal=meta.is_causal, enable_gqa=True)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=meta.attn_mask, is_causal=meta.is_causal, enable_gqa=True,
+                                          scale=scale)  # fmt: skip
 
 
-def materialized_attention(q, k, v, meta: AttentionMetadata) -> torch.Tensor:
+def materialized_attention(q, k, v, meta: AttentionMetadata, scale: float | None = None) -> torch.Tensor:
     B, H, T, D = q.shape
     Hkv, L = k.shape[1], k.shape[2]
     group = H // Hkv
     qg = q.reshape(B, Hkv, group * T, D)  # the `group` query heads sharing a K/V head, stacked as rows
-    scores = (qg @ k.transpose(-1, -2)).view(B, Hkv, group, T, L) / math.sqrt(D)  # [B, Hkv, g, T, L]
+    scores = (qg @ k.transpose(-1, -2)).view(B, Hkv, group, T, L)  # [B, Hkv, g, T, L]
+    scores = scores / math.sqrt(D) if scale is None else scores * scale
     if meta.attn_mask is not None:  # [1 or B, 1, T, L] → [1 or B, 1, 1, T, L], broadcast over heads
         allowed = meta.attn_mask.unsqueeze(2)
     else:  # query t (position start + t) may see keys 0 .. start + t

@@ -1,4 +1,5 @@
-"""Building blocks of the decoder: RMSNorm, the embedding table, the linear layer, SwiGLU MLP.
+"""Building blocks of the decoder: RMSNorm (Llama's, Gemma's), the embedding table, the linear layer,
+the gated MLPs (SwiGLU, GeGLU).
 
 The linear layer is a seam: every product with a weight matrix goes through one (never a slice of its
 weight taken from outside), and each weight-holding layer lists its tensors (`weight_tensors`) and
@@ -41,6 +42,25 @@ class RMSNorm(nn.Module):
 
     def bytes_read_per_token(self) -> int:
         return self.nbytes()
+
+
+class OffsetRMSNorm(RMSNorm):
+    """Gemma's RMSNorm: x̂ · (offset + w), all in float32, rounded to the activations' dtype once.
+
+    Gemma's own checkpoints store w − 1 (offset 1.0); llama.cpp's converter already added the 1 to the
+    GGUF's norm weights (offset 0.0: x̂ · w).
+    """
+
+    def __init__(self, dim: int, eps: float, offset: float):
+        super().__init__(dim, eps)
+        self.offset = offset
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.offset == 0.0 and x.dtype == torch.float32:  # x̂ · w in float32: Llama's arithmetic exactly
+            return super().forward(x)
+        xf = x.float()
+        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (normed * (self.offset + self.weight.float())).to(x.dtype)
 
 
 def tensor_bytes(*tensors: torch.Tensor | None) -> int:
@@ -113,8 +133,10 @@ class Linear(nn.Module):
         return self.in_features * self.out_features
 
 
-class SwiGLU(nn.Module):
-    """down(silu(gate(x)) · up(x)), with gate and up fused into one [2·I, hidden] matrix."""
+class GatedMLP(nn.Module):
+    """down(act(gate(x)) · up(x)), with gate and up fused into one [2·I, hidden] matrix."""
+
+    activation = "none"  # the config's name of `act` (DenseMLP.activation)
 
     def __init__(self, hidden_size: int, intermediate_size: int):
         super().__init__()
@@ -122,6 +144,30 @@ class SwiGLU(nn.Module):
         self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, parts=(intermediate_size, intermediate_size))
         self.down_proj = Linear(intermediate_size, hidden_size)
 
+    @staticmethod
+    def act(gate: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj.forward_parts(x)  # [B, T, I] each
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.act(gate) * up)
+
+
+class SwiGLU(GatedMLP):
+    """down(silu(gate(x)) · up(x)): Llama, Qwen."""
+
+    activation = "silu"
+    act = staticmethod(F.silu)
+
+
+class GeGLU(GatedMLP):
+    """down(gelu_tanh(gate(x)) · up(x)): Gemma's MLP (transformers' gelu_pytorch_tanh)."""
+
+    activation = "gelu_pytorch_tanh"
+
+    @staticmethod
+    def act(gate: torch.Tensor) -> torch.Tensor:
+        return F.gelu(gate, approximate="tanh")
+
+
+GATED_MLPS = {cls.activation: cls for cls in (SwiGLU, GeGLU)}  # DenseMLP.activation → the module

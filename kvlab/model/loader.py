@@ -14,7 +14,6 @@ from kvlab.errors import KvlabError
 from kvlab.gguf_file import GGUFFile
 from kvlab.model.auto_dtype import auto_dtype
 from kvlab.model.registry import architecture_of, check_architecture_name
-from kvlab.model.rope import RotaryEmbedding
 from kvlab.model.transformer import Transformer
 from kvlab.model.weights import iter_gguf, iter_safetensors, load_weights
 from kvlab.quant.quantize import QUANTIZATIONS
@@ -103,7 +102,7 @@ def load_model(
     if quantization:
         quantize_model(model, quantization)
     positions = max_positions or config.max_position_embeddings
-    model.rotary = RotaryEmbedding(config.rope, config.head_dim, positions).to(device)
+    model.build_rotary(positions, device)
     model.eval()
     return LoadedModel(model=model, config=config, path=path, load_s=time.perf_counter() - start,
                        weight_format=weight_format(model, quantization), gguf=gguf)  # fmt: skip

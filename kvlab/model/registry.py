@@ -2,7 +2,10 @@
 
 An entry names the model class and the source quirks its weights need; `check_supported` reads
 the normalised ModelConfig layer by layer and refuses, in one line, anything the model would get
-wrong (a sliding window, an output gate, a bias it has no parameter for) instead of running it.
+wrong (an output gate, attention sinks, a bias it has no parameter for) instead of running it. What
+it accepts is exactly what the decoder computes: softmax attention of one geometry in every layer
+(each with its own sliding window, rotary settings and q·k scale), q/k norms, a bias-free gated MLP
+(SiLU or tanh-GELU), two norms per layer or Gemma's four, scaled embeddings, a final logit softcap.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from kvlab.errors import KvlabError
 
 @dataclass(frozen=True)
 class Architecture:
-    family: str  # the decoder family: llama, qwen2, qwen3
+    family: str  # the decoder family: llama, qwen2, qwen3, gemma3
     gguf_permuted_qk: bool = False  # llama.cpp reorders q/k rows of this family when converting
 
 
@@ -25,7 +28,10 @@ ARCHITECTURES = {
     "mistral": Architecture("llama"),
     "qwen2": Architecture("qwen2"),
     "qwen3": Architecture("qwen3"),
+    "gemma3": Architecture("gemma3"),  # GGUF (llama.cpp's name)
+    "gemma3_text": Architecture("gemma3"),  # config.json (Gemma3ForCausalLM; the text model of Gemma 3)
 }
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # the gated MLPs kvlab.model.layers has
 
 
 def check_architecture_name(name: str, shown: str | None = None) -> None:
@@ -55,17 +61,17 @@ def _unsupported_feature(config: ModelConfig) -> str | None:
         m, mlp = layer.mixer, layer.mlp
         if not isinstance(m, Attention):
             return f"layer {i} is {layer.label}"
-        if m.window:
-            return f"layer {i} has sliding-window attention ({m.window} tokens)"
         if m.output_gate or m.sinks or m.o_bias or m.v_head_dim != m.head_dim:
             return f"layer {i}'s attention has an output gate, sinks, an o_proj bias or a separate value size"
-        same = (m.num_heads, m.kv_heads, m.head_dim, m.qkv_bias, m.qk_norm, m.rope)
-        if same != (first.num_heads, first.kv_heads, first.head_dim, first.qkv_bias, first.qk_norm, first.rope):
+        same = (m.num_heads, m.kv_heads, m.head_dim, m.qkv_bias, m.qk_norm)  # one paged cache for every layer
+        if same != (first.num_heads, first.kv_heads, first.head_dim, first.qkv_bias, first.qk_norm):
             return f"layer {i}'s attention differs in shape from layer 0's"
-        if not isinstance(mlp, DenseMLP) or not mlp.gated or mlp.bias or mlp.activation != "silu":
-            return f"layer {i}'s MLP is not a bias-free SwiGLU"
+        if m.window is not None and m.window < 1:
+            return f"layer {i} has a sliding window of {m.window} tokens"
+        if not isinstance(mlp, DenseMLP) or not mlp.gated or mlp.bias or mlp.activation not in ACTIVATIONS:
+            return f"layer {i}'s MLP is not a bias-free gated MLP ({' or '.join(ACTIVATIONS)})"
         if mlp.intermediate_size != config.intermediate_size:
             return f"layer {i}'s MLP differs in size from layer 0's"
-        if layer.norms != 2:
+        if layer.norms not in (2, 4):
             return f"layer {i} has {layer.norms} norms"
     return None

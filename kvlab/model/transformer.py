@@ -2,19 +2,31 @@
 
 One forward serves prefill (many new tokens), decode (one new token per sequence) and
 no-cache recomputation: the difference is only in the cache and metadata it is handed.
+Each block is built from its own `Layer` of the ModelConfig: Llama/Qwen layers normalise before
+attention and before the MLP; Gemma's "sandwich" layers also normalise each one's output (four norms).
 Shapes: B sequences, T new tokens, H query heads, Hkv key/value heads, D head dim, E hidden size.
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
-from kvlab.config import ModelConfig
+from kvlab.config import Attention as AttentionConfig
+from kvlab.config import ModelConfig, RopeConfig
 from kvlab.kv.cache import AttentionMetadata, KVCache
 from kvlab.model.attention import ATTENTION_BACKENDS, sdpa_attention
-from kvlab.model.layers import Embedding, Linear, RMSNorm, SwiGLU
+from kvlab.model.layers import GATED_MLPS, Embedding, Linear, OffsetRMSNorm, RMSNorm
 from kvlab.model.rope import RotaryEmbedding, apply_rotary
+
+
+def make_norm(config: ModelConfig, dim: int) -> RMSNorm:
+    """Llama's RMSNorm, or Gemma's x̂ · (offset + w) where the config gives an offset."""
+    if config.norm_offset is None:
+        return RMSNorm(dim, config.rms_norm_eps)
+    return OffsetRMSNorm(dim, config.rms_norm_eps, config.norm_offset)
 
 
 class Attention(nn.Module):
@@ -22,14 +34,18 @@ class Attention(nn.Module):
 
     def __init__(self, config: ModelConfig, layer_index: int):
         super().__init__()
+        mixer: AttentionConfig = config.layers[layer_index].mixer
         self.layer_index = layer_index
-        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = mixer.num_heads, mixer.kv_heads, mixer.head_dim
+        self.window = mixer.window  # the cache applies it (it knows which keys each query sees)
+        self.scale = mixer.scale  # None: SDPA's 1/√D
+        self.rope = mixer.rope  # None: the model's rotary table
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.qkv_proj = Linear(config.hidden_size, q_size + 2 * kv_size, bias=config.qkv_bias,
-                               parts=(q_size, kv_size, kv_size))
+        self.qkv_proj = Linear(config.hidden_size, q_size + 2 * kv_size, bias=mixer.qkv_bias,
+                               parts=(q_size, kv_size, kv_size))  # fmt: skip
         self.o_proj = Linear(q_size, config.hidden_size)
-        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.q_norm = make_norm(config, self.head_dim) if mixer.qk_norm else None
+        self.k_norm = make_norm(config, self.head_dim) if mixer.qk_norm else None
         self.attend = sdpa_attention  # see kvlab.model.attention; Transformer.set_attention swaps it
 
     def forward(self, x, cos, sin, cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
@@ -37,45 +53,85 @@ class Attention(nn.Module):
         H, Hkv = self.num_heads, self.num_kv_heads
         qkv = self.qkv_proj(x).view(B, T, H + 2 * Hkv, self.head_dim)  # q heads, then k, then v
         qk, v = qkv[:, :, : H + Hkv], qkv[:, :, H + Hkv :]
-        if self.q_norm is not None:  # Qwen3: normalise each head of q and k before rotating it
+        if self.q_norm is not None:  # Qwen3, Gemma 3: normalise each head of q and k before rotating it
             qk = torch.cat([self.q_norm(qk[:, :, :H]), self.k_norm(qk[:, :, H:])], dim=2)
         qk = apply_rotary(qk, cos, sin)  # q and k rotated together: [B, T, H + Hkv, D]
         q = qk[:, :, :H].transpose(1, 2)  # [B, H, T, D]
         k = qk[:, :, H:].transpose(1, 2)  # [B, Hkv, T, D]
         v = v.transpose(1, 2)  # [B, Hkv, T, D]
 
-        # the cache stores k, v and runs self.attend over every key each query may see
-        out = cache.attend(self.layer_index, q, k, v, meta, self.attend)  # [B, H, T, D]
+        # the cache stores k, v and runs the attention over every key each query may see
+        attention = self.attend if self.scale is None else functools.partial(self.attend, scale=self.scale)
+        out = cache.attend(self.layer_index, q, k, v, meta, attention)  # [B, H, T, D]
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
 
 
 class DecoderLayer(nn.Module):
+    """x + attn(norm(x)), then + mlp(norm(·)): Llama, Qwen."""
+
     def __init__(self, config: ModelConfig, layer_index: int):
         super().__init__()
-        self.input_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.input_norm = make_norm(config, config.hidden_size)
         self.attn = Attention(config, layer_index)
-        self.post_attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = SwiGLU(config.hidden_size, config.intermediate_size)
+        self.post_attn_norm = make_norm(config, config.hidden_size)
+        mlp = config.layers[layer_index].mlp
+        self.mlp = GATED_MLPS[mlp.activation](config.hidden_size, mlp.intermediate_size)
 
     def forward(self, x, cos, sin, cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         x = x + self.attn(self.input_norm(x), cos, sin, cache, meta)
         return x + self.mlp(self.post_attn_norm(x))
 
 
+class SandwichDecoderLayer(DecoderLayer):
+    """Gemma 2/3: each of attention and MLP normalised on the way in and on the way out (four norms).
+
+    `post_attn_norm` normalises the attention's output here (transformers' post_attention_layernorm).
+    """
+
+    def __init__(self, config: ModelConfig, layer_index: int):
+        super().__init__(config, layer_index)
+        self.pre_mlp_norm = make_norm(config, config.hidden_size)
+        self.post_mlp_norm = make_norm(config, config.hidden_size)
+
+    def forward(self, x, cos, sin, cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+        x = x + self.post_attn_norm(self.attn(self.input_norm(x), cos, sin, cache, meta))
+        return x + self.post_mlp_norm(self.mlp(self.pre_mlp_norm(x)))
+
+
+def make_layer(config: ModelConfig, layer_index: int) -> DecoderLayer:
+    cls = SandwichDecoderLayer if config.layers[layer_index].norms == 4 else DecoderLayer
+    return cls(config, layer_index)
+
+
 class Transformer(nn.Module):
-    """A decoder-only language model (Llama / Qwen2 / Qwen3 families)."""
+    """A decoder-only language model (Llama / Qwen2 / Qwen3 / Gemma 3 families)."""
 
     def __init__(self, config: ModelConfig, max_positions: int | None = None):
         super().__init__()
         self.config = config
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.embed_scale = config.embedding_scale  # Gemma: √E
+        self.layers = nn.ModuleList(make_layer(config, i) for i in range(config.num_layers))
+        self.norm = make_norm(config, config.hidden_size)
         # tied models reuse the embedding matrix as the LM head (set when weights load)
         self.lm_head = Linear(config.hidden_size, config.vocab_size)
-        self.rotary = RotaryEmbedding(
-            config.rope, config.head_dim, max_positions or config.max_position_embeddings
-        )
+        self.logit_softcap = config.final_logit_softcap
+        self.build_rotary(max_positions or config.max_position_embeddings)
+
+    def build_rotary(self, max_positions: int, device: torch.device | str | None = None) -> None:
+        """(Re)build the cos/sin tables for `max_positions` positions: `rotary` for every layer without
+        rotary settings of its own, `layer_rotary` for the others (Gemma 3's sliding layers)."""
+        c = self.config
+        self.rotary = RotaryEmbedding(c.rope, c.head_dim, max_positions).to(device or "cpu")
+        ropes = dict.fromkeys(layer.attn.rope for layer in self.layers if layer.attn.rope is not None)
+        self._rope_names = {rope: f"rope{i}" for i, rope in enumerate(ropes)}  # ModuleDict keys are strings
+        self.layer_rotary = nn.ModuleDict({
+            name: RotaryEmbedding(rope, c.head_dim, max_positions).to(device or "cpu")
+            for rope, name in self._rope_names.items()
+        })  # fmt: skip
+
+    def _rotary_of(self, rope: RopeConfig | None) -> RotaryEmbedding:
+        return self.rotary if rope is None else self.layer_rotary[self._rope_names[rope]]
 
     def set_attention(self, name: str) -> None:
         """Choose the attention implementation for every layer: "sdpa" (default) or "materialized"."""
@@ -130,8 +186,16 @@ class Transformer(nn.Module):
         largest matrix of a small model, only ever runs on the positions that need logits.
         """
         x = self.embed_tokens(input_ids)  # [B, T, E]
-        cos, sin = self.rotary(meta.positions, x.dtype)  # [B, T, 1, D]
+        if self.embed_scale is not None:  # in the activations' dtype, as transformers rounds it
+            x = x * torch.tensor(self.embed_scale, dtype=x.dtype, device=x.device)
+        tables = {}  # one cos/sin lookup per rotary table: [B, T, 1, D] each
         for layer in self.layers:
-            x = layer(x, cos, sin, cache, meta)
+            rope = layer.attn.rope
+            if rope not in tables:
+                tables[rope] = self._rotary_of(rope)(meta.positions, x.dtype)
+            x = layer(x, *tables[rope], cache, meta)
         x = x[:, -1] if logits_index is None else x[:, logits_index]  # [B, E] or [B, N, E]
-        return self.lm_head(self.norm(x)).float()
+        logits = self.lm_head(self.norm(x)).float()
+        if self.logit_softcap is not None:
+            logits = torch.tanh(logits / self.logit_softcap) * self.logit_softcap
+        return logits

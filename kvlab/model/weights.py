@@ -42,11 +42,21 @@ _GGUF_TO_HF = {
     "ffn_up.weight": "model.layers.{i}.mlp.up_proj.weight",
     "ffn_down.weight": "model.layers.{i}.mlp.down_proj.weight",
 }
+# Gemma's four norms per block: llama.cpp's ffn_norm is the MLP's input norm there too, but
+# transformers calls it pre_feedforward_layernorm (post_attention_layernorm normalises the attention's output)
+_GGUF_TO_HF_SANDWICH = {
+    **_GGUF_TO_HF,
+    "post_attention_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
+    "ffn_norm.weight": "model.layers.{i}.pre_feedforward_layernorm.weight",
+    "post_ffw_norm.weight": "model.layers.{i}.post_feedforward_layernorm.weight",
+}
 
 # Hugging Face names (after "model.layers.{i}.") → (our parameter, part index within a fused matrix)
 _LAYER_TO_OURS = {
     "input_layernorm.weight": ("input_norm.weight", None),
     "post_attention_layernorm.weight": ("post_attn_norm.weight", None),
+    "pre_feedforward_layernorm.weight": ("pre_mlp_norm.weight", None),
+    "post_feedforward_layernorm.weight": ("post_mlp_norm.weight", None),
     "self_attn.q_proj.weight": ("attn.qkv_proj.weight", 0),
     "self_attn.k_proj.weight": ("attn.qkv_proj.weight", 1),
     "self_attn.v_proj.weight": ("attn.qkv_proj.weight", 2),
@@ -121,14 +131,15 @@ def iter_gguf(
     dequantized to float32. `permuted_qk`: the converter reordered q/k rows for its own rotary layout
     (llama.cpp's llama), undone here — on the blocks' rows, which is exact.
     """
+    names = _GGUF_TO_HF_SANDWICH if any(layer.norms == 4 for layer in config.layers) else _GGUF_TO_HF
     for name, info in gguf.tensors.items():
         rest = name
         if name.startswith("blk."):
             _, index, rest = name.split(".", 2)
-            template = _GGUF_TO_HF.get(rest)
+            template = names.get(rest)
             hf_name = template.format(i=index) if template else None
         else:
-            hf_name = _GGUF_TO_HF.get(name)
+            hf_name = names.get(name)
         if hf_name is None:
             continue  # e.g. rope_freqs: recomputed from the config
         heads = None

@@ -5,8 +5,10 @@
 The step's tokens are packed into one row, decodes first, then each prompt chunk:
 
     input_ids  [1, N]   the new tokens                 positions [1, N]  their absolute positions
-    slot_mapping [N]    block_table[p // bs] * bs + p % bs: where each one's K/V is written
-    groups              who attends to which keys (kv/paged.py)
+    per KV group (one, unless the model has sliding windows: kv/layout.py):
+      slot_mapping [N]  block_table[p // bs] * bs + p % bs: where each one's K/V is written
+      groups            who attends to which keys (kv/paged.py); a sliding group's tables start at
+                        the first block the window reaches, and its masks hide what lies before it
     logits_index [S]    the last token of each chunk that reaches its request's end: only those go
                         through the LM head, and a token is sampled for each
 
@@ -21,8 +23,9 @@ from dataclasses import dataclass, field
 import torch
 
 from kvlab.kernels import ThreadPolicy
-from kvlab.kv.cache import AttentionMetadata, build_metadata
-from kvlab.kv.paged import AttentionGroup, PagedKVCache, PagedMetadata
+from kvlab.kv.cache import AttentionMetadata, build_metadata, window_mask
+from kvlab.kv.layout import KVGroup, window_start
+from kvlab.kv.paged import AttentionGroup, KVGroupMetadata, PagedKVCache, PagedMetadata
 from kvlab.request import Request
 from kvlab.runner.driver import ModelDriver
 from kvlab.sampling.logprobs import Logprob, prompt_logprobs
@@ -59,6 +62,10 @@ class ModelRunner:
         self.cache = cache
         self.device = cache.device
         self.block_size = cache.block_size
+        self.layout = cache.layout
+        # the windows each KV group's layers mask with (a one-table layout masks sliding layers in its one group)
+        self.mask_windows = [sorted({cache.layout.layer_windows[i] for i in g.layers} - {None})
+                             for g in cache.layout.groups]  # fmt: skip
         self.pack_prompts = pack_prompts
         self.driver = ModelDriver(model, policy)
         # every sequence's sampling state (seeded generators, penalty counts, grammar matchers)
@@ -76,51 +83,76 @@ class ModelRunner:
         return StepInputs([self._build(chunks) for chunks in batches], list(plan.block_ops))
 
     def _build(self, chunks: list[ScheduledChunk]) -> ModelInputs:
-        bs = self.block_size
         ids: list[int] = []
         positions: list[int] = []
-        slots: list[int] = []
         logits_index: list[int] = []
         sampling: list[Request] = []
         for c in chunks:
             ids.extend(c.request.all_token_ids[c.start : c.end])
             positions.extend(range(c.start, c.end))
-            table = c.block_ids
-            slots.extend(table[p // bs] * bs + p % bs for p in range(c.start, c.end))
             if c.samples:
                 logits_index.append(len(ids) - 1)
                 sampling.append(c.request)
-        decodes = [c for c in chunks if c.num_new_tokens == 1]
-        groups = [self._decode_group(decodes)] if decodes else []
-        lo = len(decodes)
-        for c in chunks[len(decodes) :]:
-            groups.append(self._chunk_group(c, lo))
-            lo += c.num_new_tokens
+        kv_groups = [self._kv_group(chunks, g, group) for g, group in enumerate(self.layout.groups)]
         tensor = lambda x: torch.tensor(x, dtype=torch.long, device=self.device)  # noqa: E731
-        meta = PagedMetadata(positions=tensor([positions]), slot_mapping=tensor(slots), groups=groups)
+        meta = PagedMetadata(positions=tensor([positions]), kv_groups=kv_groups)
         return ModelInputs(tensor([ids]), meta, tensor(logits_index), sampling, chunks)
 
-    def _decode_group(self, decodes: list[ScheduledChunk]) -> AttentionGroup:
-        """B sequences, one new token each: keys gathered to the longest, the rest masked."""
-        lens = [c.end for c in decodes]
-        L = max(lens)
-        num_blocks = -(-L // self.block_size)
-        tables = [c.block_ids[:num_blocks] + [0] * (num_blocks - len(c.block_ids[:num_blocks])) for c in decodes]
-        mask = None
-        if min(lens) != L:  # [B, 1, 1, L]: sequence b sees keys 0 .. lens[b] - 1
-            keys = torch.arange(L, device=self.device)
-            mask = (keys[None, :] < torch.tensor(lens, device=self.device)[:, None])[:, None, None, :]
-        positions = torch.tensor([[c.start] for c in decodes], device=self.device)
-        meta = AttentionMetadata(positions=positions, start=L - 1, attn_mask=mask)
-        tables_t = torch.tensor(tables, dtype=torch.long, device=self.device)
-        return AttentionGroup(0, len(decodes), tables_t, L, meta)
+    def _kv_group(self, chunks: list[ScheduledChunk], g: int, kv: KVGroup) -> KVGroupMetadata:
+        """KV group g's slots and attention groups: the decodes as one batch, then each prompt chunk."""
+        bs, windows = self.block_size, self.mask_windows[g]
+        slots: list[int] = []
+        for c in chunks:
+            table = c.block_tables[g]
+            slots.extend(table[p // bs] * bs + p % bs for p in range(c.start, c.end))
+        decodes = [c for c in chunks if c.num_new_tokens == 1]
+        groups = [self._decode_group(decodes, g, kv, windows)] if decodes else []
+        lo = len(decodes)
+        for c in chunks[len(decodes) :]:
+            groups.append(self._chunk_group(c, lo, g, kv, windows))
+            lo += c.num_new_tokens
+        return KVGroupMetadata(torch.tensor(slots, dtype=torch.long, device=self.device), groups)
 
-    def _chunk_group(self, c: ScheduledChunk, lo: int) -> AttentionGroup:
-        """One prompt chunk: T new tokens after `start` cached ones, causal."""
-        num_blocks = -(-c.end // self.block_size)
-        tables = torch.tensor([c.block_ids[:num_blocks]], dtype=torch.long, device=self.device)
-        meta = build_metadata(c.start, c.num_new_tokens, 1, self.device)
-        return AttentionGroup(lo, lo + c.num_new_tokens, tables, c.end, meta)
+    def _decode_group(self, decodes: list[ScheduledChunk], g: int, kv: KVGroup, windows) -> AttentionGroup:
+        """B sequences, one new token each: keys gathered to the longest, the rest masked. A sliding
+        group gathers each sequence from the first block its window reaches."""
+        bs = self.block_size
+        first = [window_start(kv.window, c.start) // bs for c in decodes]
+        lens = [c.end - f * bs for c, f in zip(decodes, first)]  # keys gathered per sequence
+        L = max(lens)
+        num_blocks = -(-L // bs)
+        tables = [c.block_tables[g][f : f + num_blocks] for c, f in zip(decodes, first)]
+        tables = [t + [0] * (num_blocks - len(t)) for t in tables]  # padding: block 0, masked
+        positions = torch.tensor([[c.start] for c in decodes], device=self.device)  # [B, 1]
+        keys = torch.tensor(first, device=self.device)[:, None] * bs + torch.arange(L, device=self.device)  # [B, L]
+
+        padded = min(lens) != L
+
+        def meta(window: int | None) -> AttentionMetadata:  # a mask [B, 1, 1, L] where some key is hidden
+            cut = window is not None and any(c.start - window + 1 > f * bs for c, f in zip(decodes, first))
+            hides = padded or cut
+            mask = window_mask(positions, keys, window)[:, None] if hides else None
+            return AttentionMetadata(positions=positions, start=L - 1, attn_mask=mask)
+
+        plain = meta(None)
+        plain.windowed = {w: meta(w) for w in windows}
+        tables_t = torch.tensor(tables, dtype=torch.long, device=self.device)
+        return AttentionGroup(0, len(decodes), tables_t, L, plain)
+
+    def _chunk_group(self, c: ScheduledChunk, lo: int, g: int, kv: KVGroup, windows) -> AttentionGroup:
+        """One prompt chunk: T new tokens after `start` cached ones, causal (and windowed)."""
+        bs = self.block_size
+        first = window_start(kv.window, c.start) // bs
+        tables = torch.tensor([c.block_tables[g][first : -(-c.end // bs)]], dtype=torch.long, device=self.device)
+        if first == 0:
+            meta = build_metadata(c.start, c.num_new_tokens, 1, self.device, windows)
+        else:  # a sliding group past its first blocks: every query's window starts inside what is gathered
+            positions = torch.arange(c.start, c.end, device=self.device)[None]
+            keys = torch.arange(first * bs, c.end, device=self.device)
+            mask = window_mask(positions[0], keys, kv.window)[None, None]  # [1, 1, T, L]
+            meta = AttentionMetadata(positions=positions, start=c.start, attn_mask=mask)
+            meta.windowed = {kv.window: meta}
+        return AttentionGroup(lo, lo + c.num_new_tokens, tables, c.end - first * bs, meta)
 
     # ---- 2. the model --------------------------------------------------------------------------------
 

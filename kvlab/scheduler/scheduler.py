@@ -13,7 +13,8 @@ the budget (`max_num_batched_tokens`) and `max_num_seqs` allow:
 A chunk that reaches the end of its request's known tokens yields logits, and tokens are sampled.
 After the step, `update` takes the runner's StepResult: a request keeps the K/V of the positions
 that were accepted (all of them, unless a verifier rejected drafted ones, which are truncated away),
-only then are its newly full blocks made findable, and its new tokens are appended.
+only then are its newly full blocks made findable, the blocks its sliding windows left behind go back
+to the pool, and its new tokens are appended.
 """
 
 from __future__ import annotations
@@ -74,7 +75,7 @@ class ScheduledChunk:
     request: Request
     start: int
     num_new_tokens: int
-    block_ids: list[int]  # the request's block table
+    block_tables: list[list[int]]  # the request's block table in each KV group (kv/layout.py)
 
     @property
     def end(self) -> int:
@@ -191,6 +192,7 @@ class Scheduler:
             if rejected:
                 self.kv.truncate(req, req.num_computed_tokens)
             self.kv.register_full_blocks(req)
+            self.kv.slide_windows(req)  # sliding-window blocks no later query sees go back to the pool
             tokens = result.sampled_token_ids.get(req.request_id)
             if not tokens:
                 continue
@@ -221,8 +223,8 @@ class Scheduler:
         if not can_share:
             self.waiting.appendleft(child)
             return False
-        table = self.kv.block_tables[parent.request_id][: self.kv.blocks_for(prompt_len)]
-        self.kv.allocate_slots(child, 0, PrefixHit(list(table), prompt_len))
+        tables = [t[: self.kv.blocks_for(prompt_len)] for t in self.kv.block_tables[parent.request_id]]
+        self.kv.allocate_slots(child, 0, PrefixHit(tables, prompt_len))  # one table per KV group
         child.num_computed_tokens = prompt_len
         self.kv.truncate(child, prompt_len)  # the shared partial block becomes the child's own copy
         child.status = RequestStatus.RUNNING

@@ -253,7 +253,7 @@ def print_measured(llm, plan, planned_weights: int | None, file=None) -> None:
     print(f"  KV pool            {_gb(plan.nbytes):>12} → {_gb(engine.cache.nbytes())}   "
           f"{engine.kv.num_blocks:,} blocks, {engine.kv.num_tokens_capacity:,} tokens", file=file)  # fmt: skip
     print(f"  max concurrency    {plan.max_concurrency(engine.max_model_len):12.1f} → "
-          f"{engine.kv.num_tokens_capacity / engine.max_model_len:.1f} at {engine.max_model_len:,} tokens", file=file)
+          f"{engine.kv.max_concurrency(engine.max_model_len):.1f} at {engine.max_model_len:,} tokens", file=file)
     peak = peak_memory_bytes(engine.cache.device)
     if engine.cache.device.type == "cpu":  # the pool's pages become resident only as blocks fill
         print(f"  process RSS        {'':>12}   {_gb(peak)} now, up to {_gb(peak + engine.cache.nbytes())} "
