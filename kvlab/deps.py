@@ -12,7 +12,6 @@ from __future__ import annotations
 import importlib.util
 import shlex
 import sys
-from importlib import metadata
 from pathlib import Path
 
 from kvlab.errors import KvlabError
@@ -49,6 +48,8 @@ def editable_checkout() -> Path | None:
 
 def _requirement(module: str) -> str:
     """kvlab's own requirement for the module's distribution ("matplotlib>=3.7"), or its bare name."""
+    from importlib import metadata  # only on the way to an error: it costs ~10 ms to import
+
     name = DISTRIBUTIONS.get(module, module)
     try:
         requires = metadata.requires("kvlab") or []

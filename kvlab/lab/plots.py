@@ -154,7 +154,7 @@ def dtype(plt, data):
     for ax, key, title in ((left, "decode_step", "one decode step"), (right, "prefill", "prefill")):
         mids, errs = time_bars(data["points"], key)
         ax.bar(names, mids, yerr=errs, capsize=4, color=["C0", "C1", "C2"])
-        ax.set(ylabel="ms", title=title)
+        ax.set(ylabel="ms (median; bars: fastest to slowest run)", title=title)
     right.set_title(f"prefill of {data['points'][0]['prefill_tokens']} tokens")
     return fig
 
@@ -225,7 +225,7 @@ def batching(plt, data):
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
     passes = data["passes"]
     xs = [p["tokens"] for p in passes]
-    left.plot(xs, [p["ms_per_token"] for p in passes], "o-", label="ms per token")
+    left.plot(xs, [p["ms_per_token"] for p in passes], "o-")
     left.set(xlabel="tokens in one forward pass", ylabel="ms per token", title="Cost per token of one pass")
     log_x(left, xs)
     left.set_ylim(bottom=0)
@@ -236,8 +236,7 @@ def batching(plt, data):
     right.set(xlabel="sequences", ylabel="tokens per second", title="N sequences decoding")
     log_x(right, ns)
     right.set_ylim(bottom=0)
-    for ax in (left, right):
-        ax.legend(fontsize=8)
+    right.legend(fontsize=8)  # the left plot has one series: no legend
     return fig
 
 

@@ -84,6 +84,8 @@ def _label_axes(ax, xs: list[int]) -> None:
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ticks = [2**e for e in range(7, 31, 2) if xs[0] <= 2**e <= xs[-1]]
+    if xs[-1] & (xs[-1] - 1) == 0 and xs[-1] not in ticks:  # the context asked for, when a power of 2: 256k
+        ticks.append(xs[-1])
     ax.xaxis.set_major_locator(FixedLocator(ticks))
     ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: token_label(x)))
     ax.xaxis.set_minor_locator(NullLocator())
