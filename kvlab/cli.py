@@ -84,9 +84,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """parse_args, except that an optional positional named by a command's `late_positional` default
+    (run's prompt) may come after options: `kvlab run MODEL --chat "hi"`. Python 3.11's argparse
+    matches positionals chunk by chunk and gives an optional one nothing when the first chunk is
+    MODEL alone, then calls "hi" unrecognized."""
+    args, extra = parser.parse_known_args(argv)
+    late = getattr(args, "late_positional", None)
+    if late and getattr(args, late) is None and extra and not extra[0].startswith("-"):
+        setattr(args, late, extra.pop(0))
+    if extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parse(parser, argv)
     if not getattr(args, "func", None):
         parser.print_help()
         return 2

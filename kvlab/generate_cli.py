@@ -23,7 +23,7 @@ def register(subparsers) -> None:
     run.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     _add_model_args(run)
     _add_sampling_args(run)
-    run.set_defaults(func=cmd_run)
+    run.set_defaults(func=cmd_run, late_positional="prompt")  # `run MODEL --chat "hi"` (cli.parse)
 
     chat = subparsers.add_parser(
         "chat", help="interactive multi-turn chat that keeps the KV cache between turns",

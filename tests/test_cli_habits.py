@@ -142,3 +142,21 @@ def test_a_busy_machine_gets_fewer_threads_and_says_so(capsys, tiny_chat_model, 
     err = capsys.readouterr().err
     assert "warning: 1.0 of 2 cores busy with other programs; --threads 2 will wait on them" in err
     assert ", 2 threads (--threads; 1.0 of 2 cores busy" in err
+
+
+@pytest.mark.parametrize("argv", [
+    ["run", "MODEL", "--chat", "The capital"], ["run", "MODEL", "--max-tokens", "2", "The capital"],
+    ["run", "MODEL", "The capital", "--max-tokens", "2"],
+])  # fmt: skip
+def test_the_prompt_may_follow_the_options(argv, tiny_chat_model):
+    """`make demo` runs `kvlab run MODEL --chat "..."`: Python 3.11's argparse alone rejects it."""
+    from kvlab.cli import parse
+
+    args = parse(build_parser(), [str(tiny_chat_model) if a == "MODEL" else a for a in argv])
+    assert args.prompt == "The capital" and args.model == str(tiny_chat_model)
+
+
+def test_a_second_prompt_is_refused(capsys):
+    with pytest.raises(SystemExit) as done:
+        main(["run", "m", "--chat", "one", "two"])
+    assert done.value.code == 2 and "unrecognized arguments: two" in capsys.readouterr().err
