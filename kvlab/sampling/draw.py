@@ -16,9 +16,6 @@ full sort of 49,152 logits took 3-6 ms here on one thread; the topk about 0.1 ms
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
-import numpy as np
 import torch
 
 FIRST_K = 64
@@ -32,38 +29,34 @@ def draw(logits: torch.Tensor, top_k: list[int], top_p: list[float], min_p: list
          uniforms: torch.Tensor) -> torch.Tensor:  # fmt: skip
     """One token per row: u in [0, 1) per row (float64), mapped through the row's kept distribution."""
     vocab = logits.shape[1]
-    tokens = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
     filtered = [i for i in range(len(top_k)) if is_filtered(top_k[i], top_p[i], min_p[i], vocab)]
+    if len(filtered) == logits.shape[0]:  # the usual step: every row filtered, no gather or scatter
+        return torch.tensor([t for t, _ in _kept(logits, top_k, top_p, min_p, uniforms.tolist())], device=logits.device)
+    tokens = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
     plain = sorted(set(range(len(top_k))) - set(filtered))
-    u = uniforms.double().cpu().numpy()
     if plain:
         index = torch.tensor(plain, device=logits.device)
         cdf = torch.softmax(logits[index], dim=-1).cumsum(-1, dtype=torch.float64)
-        tokens[index] = _invert_torch(cdf, uniforms.to(logits.device)[index])
+        tokens[index] = _invert(cdf, uniforms.to(logits.device)[index])
     if filtered:
-        sub = logits if len(filtered) == logits.shape[0] else logits[torch.tensor(filtered, device=logits.device)]
-        for rows, ids, kept in _rounds(sub, *(_pick(x, filtered) for x in (top_k, top_p, min_p))):
-            where = [filtered[r] for r in rows]
-            picked = ids[np.arange(len(rows)), _invert(np.cumsum(kept, axis=1), u[where])]
-            tokens[torch.tensor(where, device=logits.device)] = torch.from_numpy(picked).to(logits.device)
+        index = torch.tensor(filtered, device=logits.device)
+        u = [float(uniforms[i]) for i in filtered]
+        picked = _kept(logits[index], *(_pick(x, filtered) for x in (top_k, top_p, min_p)), u)
+        tokens[index] = torch.tensor([t for t, _ in picked], device=logits.device)
     return tokens
 
 
-def filtered_probabilities(
-    logits: torch.Tensor, top_k: list[int], top_p: list[float], min_p: list[float]
-) -> torch.Tensor:
+def filtered_probabilities(logits: torch.Tensor, top_k: list[int], top_p: list[float], min_p: list[float]) -> torch.Tensor:
     """The distribution each row draws from, dense [D, V] float32 (zeros for dropped tokens)."""
     vocab = logits.shape[1]
     probs = torch.softmax(logits.float(), dim=-1)
     filtered = [i for i in range(len(top_k)) if is_filtered(top_k[i], top_p[i], min_p[i], vocab)]
     if filtered:
         sub = logits[torch.tensor(filtered, device=logits.device)]
-        for rows, ids, kept in _rounds(sub, *(_pick(x, filtered) for x in (top_k, top_p, min_p))):
-            dense = np.zeros((len(rows), vocab))
-            np.put_along_axis(dense, ids, kept / kept.sum(axis=1, keepdims=True), axis=1)
-            probs[torch.tensor([filtered[r] for r in rows], device=logits.device)] = (
-                torch.from_numpy(dense).float().to(logits.device)
-            )
+        for r, (_, (ids, kept)) in zip(filtered, _kept(sub, *(_pick(x, filtered) for x in (top_k, top_p, min_p)))):
+            dense = torch.zeros(vocab, dtype=torch.float64)
+            dense[torch.tensor(ids, dtype=torch.long)] = torch.tensor(kept, dtype=torch.float64) / sum(kept)
+            probs[r] = dense.float().to(logits.device)
     return probs
 
 
@@ -71,42 +64,66 @@ def _pick(values: list, rows: list[int]) -> list:
     return [values[i] for i in rows]
 
 
-def _invert_torch(cdf: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+def _invert(cdf: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Inverse CDF: the first position whose cumulative mass exceeds u × total (never a zero-mass one)."""
     total = cdf[:, -1:]
     target = torch.minimum(u[:, None].to(cdf.dtype) * total, torch.nextafter(total, torch.zeros_like(total)))
     return torch.searchsorted(cdf, target, right=True)[:, 0].clamp_(max=cdf.shape[1] - 1)
 
 
-def _invert(cdf: np.ndarray, u: np.ndarray) -> np.ndarray:
-    """The same on the candidates (numpy: a few hundred numbers, where torch's per-call cost dominates)."""
-    total = cdf[:, -1]
-    target = np.minimum(u * total, np.nextafter(total, 0))
-    return np.minimum((cdf <= target[:, None]).sum(axis=1), cdf.shape[1] - 1)
+def _kept(logits: torch.Tensor, top_k: list[int], top_p: list[float], min_p: list[float], uniforms=None):
+    """Per row: (the drawn token, or None without uniforms; (ids, kept probabilities) most likely first).
 
-
-def _rounds(
-    logits: torch.Tensor, top_k: list[int], top_p: list[float], min_p: list[float]
-) -> Iterator[tuple[list[int], np.ndarray, np.ndarray]]:
-    """Yield (rows, ids [R, K], kept [R, K] float64 unnormalised masses) for rows as they are decided.
-
-    First the FIRST_K most likely tokens of every row (torch's topk; the cut on them is numpy's). A row
-    not decided by them (a flat distribution: its nucleus is larger) goes to `_by_threshold`."""
+    The vocabulary-wide passes are torch's, batched (logsumexp, topk); the cut walks each row's few
+    candidates in plain Python (at that size every torch or numpy call costs more than its work)."""
     vocab = logits.shape[1]
-    k_of = np.array([k if 0 < k < vocab else 0 for k in top_k])
-    tp, mp = np.array(top_p, dtype=np.float64), np.array(min_p, dtype=np.float64)
+    k_of = [k if 0 < k < vocab else 0 for k in top_k]
+    size = min(vocab, max(FIRST_K, max(k_of)))
     lse = torch.logsumexp(logits, dim=-1, keepdim=True)  # [F, 1]
-    lse_np = lse.double().cpu().numpy()
-    size = min(vocab, max(FIRST_K, int(k_of.max())))
     values, ids = torch.topk(logits, size, dim=-1)  # [F, K], most likely first
-    p = np.exp(values.double().cpu().numpy() - lse_np)  # probability in the whole distribution
-    keep, decided = _cut(p, k_of, tp, mp, full=size == vocab)
-    if decided.any():
-        yield np.flatnonzero(decided).tolist(), ids.cpu().numpy()[decided], np.where(keep[decided], p[decided], 0.0)
-    for r in np.flatnonzero(~decided):  # no top-k here (its k candidates decide it): top-p and/or min-p
-        row_ids, row_p = _by_threshold(logits[r], lse[r], float(p[r, -1]), tp[r], mp[r])
-        row_keep, _ = _cut(row_p[None], k_of[r : r + 1], tp[r : r + 1], mp[r : r + 1], full=True)
-        yield [int(r)], row_ids[None], np.where(row_keep, row_p[None], 0.0)
+    probs = (values.double() - lse.double()).exp().tolist()  # probability in the whole distribution
+    ids_l = ids.tolist()
+    out = []
+    for r in range(logits.shape[0]):
+        kept = _cut(probs[r], k_of[r], top_p[r], min_p[r], full=size == vocab)
+        row_ids = ids_l[r]
+        if kept is None:  # a flat distribution: its cut lies beyond the first candidates
+            row_ids, row_p = _by_threshold(logits[r], lse[r], probs[r][-1], top_p[r], min_p[r])
+            kept = _cut(row_p, 0, top_p[r], min_p[r], full=True)
+        row = (row_ids[: len(kept)], kept)
+        out.append((_walk(row, uniforms[r]) if uniforms is not None else None, row))
+    return out
+
+
+def _cut(p: list[float], top_k: int, top_p: float, min_p: float, full: bool) -> list[float] | None:
+    """The kept probabilities of candidates sorted most likely first (a prefix of them), or None when the
+    cut may go on past them. Top-p on the distribution renormalised to the top-k; min-p relative to the
+    most likely; a token is dropped once those before it reach top_p."""
+    if top_k:
+        p = p[:top_k]
+    mass = sum(p) if top_k else 1.0
+    floor = min_p * p[0]
+    kept, before, stopped = [], 0.0, False
+    for q in p:
+        if q <= 0.0 or (top_p < 1.0 and before >= top_p) or (min_p > 0.0 and q < floor):
+            stopped = True
+            break
+        kept.append(q)
+        before += q / mass
+    if full or top_k or stopped or (top_p < 1.0 and before >= top_p):
+        return kept
+    return None
+
+
+def _walk(row: tuple[list[int], list[float]], u: float) -> int:
+    """Inverse CDF over one row's kept candidates: the first whose cumulative mass exceeds u × total."""
+    ids, kept = row
+    target, cum = u * sum(kept), 0.0
+    for token, q in zip(ids, kept):
+        cum += q
+        if cum > target:
+            return token
+    return ids[len(kept) - 1]
 
 
 def _by_threshold(row: torch.Tensor, lse: torch.Tensor, below: float, top_p: float, min_p: float):
@@ -124,19 +141,4 @@ def _by_threshold(row: torch.Tensor, lse: torch.Tensor, below: float, top_p: flo
     ids = torch.nonzero(p >= t)[:, 0]
     exact = (row[ids].double() - lse.double()).exp()  # float64, as the first round's
     order = torch.argsort(exact, descending=True)
-    return ids[order].cpu().numpy(), exact[order].cpu().numpy()
-
-
-def _cut(p: np.ndarray, tk: np.ndarray, tp: np.ndarray, mp: np.ndarray, full: bool) -> tuple[np.ndarray, np.ndarray]:
-    """The kept positions [R, K] of candidates sorted most likely first, and whether each row is decided."""
-    positions = np.arange(p.shape[1])
-    has_k, has_p, has_m = tk > 0, tp < 1.0, mp > 0.0
-    keep = ~has_k[:, None] | (positions[None, :] < tk[:, None])
-    # top-p on the distribution renormalised to the top-k (the candidates hold all k of them)
-    mass = np.where(has_k, (p * keep).sum(axis=1), 1.0)
-    rel = p / mass[:, None]
-    cum = np.cumsum(rel, axis=1)
-    keep &= ~has_p[:, None] | ((cum - rel) < tp[:, None])  # drop a token once those before it reach top_p
-    keep &= ~has_m[:, None] | (p >= mp[:, None] * p[:, :1])
-    decided = has_k | (has_p & (cum[:, -1] >= tp)) | (has_m & (p[:, -1] < mp * p[:, 0]))
-    return keep, decided | full
+    return ids[order].tolist(), exact[order].tolist()

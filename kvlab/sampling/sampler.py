@@ -144,8 +144,24 @@ class BatchSampler:
         if not requests:
             return out
         draws, out.forks = self._draws(requests)
-        raw, x = self._processed(logits, draws)
         params = [d.state.params for d in draws]
+        if all(p.is_plain_greedy for p in params) and len(draws) == logits.shape[0]:  # the common fast path
+            for d, token in zip(draws, logits.argmax(dim=-1).tolist()):
+                out.tokens[d.seq_id] = token
+                d.state.record(token, None)
+            return out
+        raw, x = self._processed(logits, draws)
+        token_list, scaled, sampled = self._tokens(x, draws, params)
+        logprobs = self._logprobs(draws, token_list, raw, x, scaled, sampled)
+        for i, d in enumerate(draws):  # commit: every draw succeeded
+            out.tokens[d.seq_id] = token_list[i]
+            if logprobs[i] is not None:
+                out.logprobs[d.seq_id] = logprobs[i]
+            d.state.record(token_list[i], logprobs[i])
+        return out
+
+    def _tokens(self, x: torch.Tensor, draws: list[_Draw], params: list[SamplingParams]):
+        """(token per draw, the sampled rows divided by their temperatures, which draws those are)."""
         greedy = [i for i, p in enumerate(params) if p.is_greedy]
         sampled = [i for i, p in enumerate(params) if not p.is_greedy]
         tokens = torch.empty(len(draws), dtype=torch.long, device=x.device)
@@ -154,20 +170,19 @@ class BatchSampler:
             index = torch.tensor(greedy, device=x.device)
             tokens[index] = x[index].argmax(dim=-1)
         if sampled:
-            index = torch.tensor(sampled, device=x.device)
-            temperature = torch.tensor([params[i].temperature for i in sampled], device=x.device)[:, None]
-            rows = x if len(sampled) == len(draws) else x[index]  # every row sampled (usual): no gather
-            scaled = rows.float() / temperature
+            every = len(sampled) == len(draws)  # every row sampled (usual): no gather, no scatter
+            rows = x if every else x[torch.tensor(sampled, device=x.device)]
+            temperatures = {params[i].temperature for i in sampled}
+            if len(temperatures) == 1:
+                scaled = rows.float() / temperatures.pop()
+            else:
+                scaled = rows.float() / torch.tensor([params[i].temperature for i in sampled], device=x.device)[:, None]
             uniforms = torch.stack([draws[i].state.uniform() for i in sampled])
-            tokens[index] = draw(scaled, *_filters([params[i] for i in sampled]), uniforms)
-        token_list = tokens.tolist()
-        logprobs = self._logprobs(draws, token_list, raw, x, scaled, sampled)
-        for i, d in enumerate(draws):  # commit: every draw succeeded
-            out.tokens[d.seq_id] = token_list[i]
-            if logprobs[i] is not None:
-                out.logprobs[d.seq_id] = logprobs[i]
-            d.state.record(token_list[i], logprobs[i])
-        return out
+            drawn = draw(scaled, *_filters([params[i] for i in sampled]), uniforms)
+            if every:
+                return drawn.tolist(), scaled, sampled
+            tokens[torch.tensor(sampled, device=x.device)] = drawn
+        return tokens.tolist(), scaled, sampled
 
     def _logprobs(self, draws, tokens, raw, x, scaled, sampled) -> list[Logprob | None]:
         want = [i for i, d in enumerate(draws) if d.state.params.needs_logprob]
