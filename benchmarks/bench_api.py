@@ -4,8 +4,8 @@
 
   1. sampling      decode tok/s of one request, greedy against temperature 0.8 + top-p 0.95 (issue 15's
                    target: within 5%), alternating run by run; and the engine's sample phase per step
-  2. the sampler   BatchSampler.sample alone on the model's vocabulary: µs per token for 1 and 16 rows,
-                   greedy, temperature + top-p, and with penalties and logit_bias
+  2. the sampler   BatchSampler.sample alone on 64 logits rows the model produced: µs per token for
+                   steps of 1 and 16 rows, greedy, temperature + top-p, with penalties and logit_bias
   3. grammar       decode tok/s with and without a json_schema response format (the llguidance mask)
   4. n = 8         one request with n=8 against 8 separate requests (same prompt, submitted together):
                    prompt tokens through the model and wall time
@@ -67,25 +67,48 @@ class _Row:
         self.index, self.fork_ids, self.num_output_tokens = 0, (), 0
 
 
-def sampler_cost(vocab: int, repeat: int) -> dict:
-    torch.set_num_threads(1)  # the engine samples under its thread policy: one thread for a few rows
-    kinds = {"greedy": SamplingParams(temperature=0), "temperature 0.8 + top-p 0.95": SamplingParams(temperature=0.8, top_p=0.95, seed=0),
-             "+ penalties and logit_bias": SamplingParams(temperature=0.8, top_p=0.95, seed=0, presence_penalty=0.5,
-                                                          frequency_penalty=0.5, logit_bias={1: 5.0, 2: -100.0})}  # fmt: skip
-    out = {}
-    g = torch.Generator().manual_seed(0)
-    for rows in (1, 16):
-        logits = torch.randn(rows, vocab, generator=g) * 4
-        for kind, params in kinds.items():
-            sampler = BatchSampler(vocab)
+def model_rows(llm: LLM, n: int = 64) -> torch.Tensor:
+    """[n, V] logits rows the model really produced (a sampled answer's decode steps)."""
+    rows, sampler = [], llm.engine.runner.sampler
+    original = sampler.sample
 
-            reqs = [_Row(f"r{i}", params) for i in range(rows)]
+    def keep(requests, logits):
+        rows.append(logits.clone())
+        return original(requests, logits)
+
+    sampler.sample = keep
+    try:
+        llm.generate(PROMPT, SamplingParams(max_tokens=n, temperature=0.8, top_p=0.95, seed=0, ignore_eos=True))
+    finally:
+        sampler.sample = original
+    return torch.cat(rows)
+
+
+def sampler_cost(rows: torch.Tensor, repeat: int) -> dict:
+    """BatchSampler.sample on the model's own logits rows, one thread, caches evicted between calls (as a
+    forward leaves them): µs per token, for a step of 1 and of 16 requests."""
+    torch.set_num_threads(1)  # the engine samples under its thread policy: one thread for a few rows
+    kinds = {
+        "greedy": SamplingParams(temperature=0),
+        "temperature 0.8 + top-p 0.95": SamplingParams(temperature=0.8, top_p=0.95, seed=0),
+        "+ penalties and logit_bias": SamplingParams(temperature=0.8, top_p=0.95, seed=0, presence_penalty=0.5,
+                                                     frequency_penalty=0.5, logit_bias={1: 5.0, 2: -100.0}),
+    }  # fmt: skip
+    junk = torch.randn(4_000_000)  # 16 MB: more than the caches
+    out = {}
+    for size in (1, 16):
+        for kind, params in kinds.items():
+            sampler = BatchSampler(rows.shape[1])
+            reqs = [_Row(f"r{i}", params) for i in range(size)]
             times = []
-            for _ in range(repeat * 20 + 5):
-                t0 = time.perf_counter()
-                sampler.sample(reqs, logits)
-                times.append((time.perf_counter() - t0) / rows * 1e6)
-            out[f"{rows} rows, {kind}"] = stats(times[5:])
+            for _ in range(repeat):
+                for start in range(0, rows.shape[0] - size + 1, size):
+                    batch = rows[start : start + size].clone()
+                    junk.mul_(1.0)
+                    t0 = time.perf_counter()
+                    sampler.sample(reqs, batch)
+                    times.append((time.perf_counter() - t0) / size * 1e6)
+            out[f"{size} rows, {kind}"] = stats(times)
     return out
 
 
@@ -138,7 +161,7 @@ def main() -> None:
         show(f"  sample phase per step ({k})", v["sample_ms_per_step"], "ms")
     g, s = (report["sampling"][k]["decode_tok_s"]["median"] for k in kinds)
     print(f"  sampled / greedy: {s / g:.3f}")
-    report["sampler_us_per_token"] = sampler_cost(llm.config.vocab_size, args.repeat)
+    report["sampler_us_per_token"] = sampler_cost(model_rows(llm), args.repeat)
     print("2. the sampler alone, µs per token")
     for k, v in report["sampler_us_per_token"].items():
         show(k, v, "µs")

@@ -25,20 +25,29 @@ def apply_logit_bias(x: torch.Tensor, rows: list[int], states: list) -> None:
 
 
 def apply_penalties(x: torch.Tensor, rows: list[int], states: list) -> None:
-    index = torch.tensor(rows, device=x.device)
-    counts = torch.stack([states[r].counts for r in rows])  # [P, V] output tokens so far
-    sub = x[index]
+    every = len(rows) == x.shape[0]  # usual: every row penalised, updated in place (x is the step's own copy)
+    index = None if every else torch.tensor(rows, device=x.device)
+    counts = states[rows[0]].counts[None] if len(rows) == 1 else torch.stack([states[r].counts for r in rows])
+    sub = x if every else x[index]  # [P, V]
     params = [states[r].params for r in rows]
-    rep = [p.repetition_penalty for p in params]
-    if any(r != 1.0 for r in rep):
+    if any(p.repetition_penalty != 1.0 for p in params):
         seen = (counts > 0) | torch.stack([states[r].prompt_seen for r in rows])
-        r = torch.tensor(rep, device=x.device)[:, None]
+        r = _per_row([p.repetition_penalty for p in params], x.device)
         sub = torch.where(seen, torch.where(sub > 0, sub / r, sub * r), sub)
-    freq = torch.tensor([p.frequency_penalty for p in params], device=x.device)[:, None]
-    pres = torch.tensor([p.presence_penalty for p in params], device=x.device)[:, None]
-    if bool((freq != 0).any()) or bool((pres != 0).any()):
-        sub = sub - freq * counts - pres * (counts > 0).float()
-    x[index] = sub
+    freq, pres = [p.frequency_penalty for p in params], [p.presence_penalty for p in params]
+    if any(freq):
+        sub = sub.sub_(counts * _per_row(freq, x.device))
+    if any(pres):
+        sub = sub.sub_((counts > 0) * _per_row(pres, x.device))
+    if not every:
+        x[index] = sub
+    elif sub is not x:
+        x.copy_(sub)
+
+
+def _per_row(values: list[float], device) -> float | torch.Tensor:
+    """One value for every row as a plain number (no tensor to build), else a [P, 1] column."""
+    return values[0] if len(set(values)) == 1 else torch.tensor(values, device=device)[:, None]
 
 
 def penalize(logits: torch.Tensor, output_counts: torch.Tensor, presence: float, frequency: float) -> torch.Tensor:
