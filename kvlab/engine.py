@@ -55,7 +55,7 @@ class LLMEngine:
         num_blocks = self.pool_plan.num_blocks
         layout = self.pool_plan.layout  # KV groups: sliding-window layers keep only their window's blocks
         self.cache = PagedKVCache.for_model(model_config, num_blocks, config.block_size, model.dtype, model.device,
-                                            layout)  # fmt: skip
+                                            layout, self.pool_plan.formats)  # fmt: skip
         prefix_caching = config.enable_prefix_caching and config.use_cache
         self.kv = KVCacheManager(num_blocks, config.block_size, prefix_caching, layout)
         scheduler_config = SchedulerConfig(self.max_model_len, config.max_num_seqs, config.max_num_batched_tokens,

@@ -6,7 +6,7 @@ _DTYPE_ALIASES = {
     "fp32": "float32", "f32": "float32", "float": "float32",
     "bf16": "bfloat16",
     "fp16": "float16", "f16": "float16", "half": "float16",
-    "float8": "fp8", "fp8_e4m3": "fp8", "fp8_e5m2": "fp8", "float8_e4m3fn": "fp8", "float8_e5m2": "fp8",
+    "float8": "fp8", "fp8_e5m2": "fp8", "float8_e5m2": "fp8", "float8_e4m3fn": "fp8_e4m3",
 }
 
 

@@ -24,6 +24,11 @@ class EngineConfig:
     # sliding-window layers keep only the blocks their window still reaches (False: every layer keeps
     # every token, the window only a mask — llama.cpp's --swa-full; kv/layout.py)
     windowed_kv: bool = True
+    # how keys and values are stored (kv/formats.py): vLLM's --kv-cache-dtype for both, llama.cpp's
+    # --cache-type-k / --cache-type-v for each; "auto" is the activations' dtype
+    kv_cache_dtype: str = "auto"
+    cache_type_k: str | None = None
+    cache_type_v: str | None = None
 
     def context_len(self, model: ModelConfig) -> int:
         """Tokens a sequence may hold: --max-model-len, or the model's trained context; never more than that."""

@@ -146,7 +146,7 @@ class FusedDecode:
             return False
         group, tokens = meta.groups[0], input_ids.shape[1]
         return (group.batch_size == tokens and group.lo == 0 and group.hi == tokens and policy.kernel_sized(tokens)
-                and cache.k[0].dtype == torch.float32)  # fmt: skip
+                and cache.k[0].dtype == torch.float32 and not cache.formats.is_quantized)  # fmt: skip
 
     def run(self, input_ids: torch.Tensor, cache, meta, logits_index: torch.Tensor, policy: ThreadPolicy):
         """Logits [1, S, V] of the rows at `logits_index`, as the model's own forward would give them."""

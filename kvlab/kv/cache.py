@@ -17,10 +17,11 @@ a sliding window of W tokens sees the pass through `meta.for_window(W)`: the sam
 also hides every key more than W − 1 positions before its query (transformers' kv_idx > q_idx − W).
 The caches here keep every token of every layer (the paged cache frees what windows no longer reach).
 
-A cache class owns its storage facts: `bytes_per_token_for(config, dtype)` says what one token costs
-in its layout before anything is allocated (the KV pool is planned from it), and an allocated cache
-answers `bytes_per_token()`, `nbytes()` and lists the tensors it holds (`tensors()`), so a format
-that adds scale tensors changes this file's classes, not their callers.
+A cache class owns its storage facts: `bytes_per_token_for(config, dtype, formats)` says what one
+token costs in its layout before anything is allocated (the KV pool is planned from it), and an
+allocated cache answers `bytes_per_token()`, `nbytes()` and lists the tensors it holds (`tensors()`).
+Keys and values are stored in a format each (`kv/formats.py`: floats, or q8_0 / q4_0 / fp8_e4m3 codes
+with their scales): quantized on write, dequantized on read, inside the cache; the model never knows.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
+
+from kvlab.kv.formats import KVFormat, KVFormats
 
 
 @dataclass
@@ -92,9 +95,18 @@ def build_metadata(
     return meta
 
 
-def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
-    """K and V of every layer for one token, stored as `dtype`: 2 × layers × kv heads × head dim × size."""
-    return 2 * config.num_layers * config.num_kv_heads * config.head_dim * dtype.itemsize
+def kv_bytes_per_token(config, dtype: torch.dtype, formats: KVFormats | None = None) -> int:
+    """K and V of every layer for one token: layers × kv heads × (a K vector's bytes + a V vector's), each
+    vector of head_dim numbers stored in its format (plain `dtype` by default: 2 × ... × size)."""
+    formats = formats or KVFormats.plain(dtype)
+    D = config.head_dim
+    return config.num_layers * config.num_kv_heads * (formats.k.bytes_per_vector(D) + formats.v.bytes_per_vector(D))
+
+
+def allocate(fmt: KVFormat, leading: tuple[int, ...], head_dim: int, device, fill_zeros: bool) -> list[torch.Tensor]:
+    """The storage tensors of `fmt` for vectors laid out as `leading` [..., head_dim]."""
+    make = torch.zeros if fill_zeros else torch.empty
+    return [make((*leading, *trailing), dtype=dtype, device=device) for trailing, dtype in fmt.storage(head_dim)]
 
 
 def layer_windows(config) -> tuple[int | None, ...]:
@@ -112,9 +124,9 @@ class KVCache(ABC):
         return self.windows[layer] if self.windows else None
 
     @classmethod
-    def bytes_per_token_for(cls, config, dtype: torch.dtype) -> int:
+    def bytes_per_token_for(cls, config, dtype: torch.dtype, formats: KVFormats | None = None) -> int:
         """Bytes one token of one sequence takes in this cache's layout (all layers, K and V, any scales)."""
-        return kv_bytes_per_token(config, dtype)
+        return kv_bytes_per_token(config, dtype, formats)
 
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor the cache holds (K, V and, for a quantized layout, their scales)."""
@@ -158,10 +170,12 @@ class SingleBatchKVCache(KVCache):
 
 
 class ContiguousKVCache(SingleBatchKVCache):
-    """One preallocated K and V tensor per layer: [B, Hkv, max_len, D]. No copies per step.
+    """Preallocated K and V storage per layer: [B, Hkv, max_len, D] (plus scales when quantized). No
+    copies per step.
 
     `length` tokens of every sequence are valid; `truncate(n)` rewinds (the slots are reused). A
     sliding-window layer keeps every token too (its window is a mask): this is the simple oracle.
+    `k[layer]` / `v[layer]` are the float tensors of a float format (the codes of a quantized one).
     """
 
     def __init__(
@@ -174,27 +188,32 @@ class ContiguousKVCache(SingleBatchKVCache):
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
         windows: tuple[int | None, ...] = (),
+        formats: KVFormats | None = None,
     ):
         self.num_layers = num_layers
         self.windows = windows
         self.max_len = max_len
         self.batch_size = batch_size
         self.length = 0
-        shape = (batch_size, num_kv_heads, max_len, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.dtype, self.head_dim = dtype, head_dim  # what attention reads: the format's vectors, decoded
+        self.formats = formats or KVFormats.plain(dtype)
+        leading = (batch_size, num_kv_heads, max_len)
+        self._k = [allocate(self.formats.k, leading, head_dim, device, True) for _ in range(num_layers)]
+        self._v = [allocate(self.formats.v, leading, head_dim, device, True) for _ in range(num_layers)]
+        self.k, self.v = [parts[0] for parts in self._k], [parts[0] for parts in self._v]
 
     @classmethod
-    def for_model(cls, config, max_len: int, batch_size: int = 1, dtype=torch.float32, device="cpu"):
+    def for_model(cls, config, max_len: int, batch_size: int = 1, dtype=torch.float32, device="cpu",
+                  formats: KVFormats | None = None):  # fmt: skip
         return cls(config.num_layers, config.num_kv_heads, config.head_dim, max_len, batch_size, dtype, device,
-                   windows=layer_windows(config))  # fmt: skip
+                   windows=layer_windows(config), formats=formats)  # fmt: skip
 
     @property
     def device(self) -> torch.device:
         return self.k[0].device
 
     def tensors(self) -> list[torch.Tensor]:
-        return self.k + self.v
+        return [t for parts in self._k + self._v for t in parts]
 
     def numel(self) -> int:
         """Numbers allocated (all layers, K and V)."""
@@ -225,11 +244,13 @@ class ContiguousKVCache(SingleBatchKVCache):
         if num_tokens <= self.max_len:
             return
         new_len = max(num_tokens, 2 * self.max_len)
-        for tensors in (self.k, self.v):
-            for i, old in enumerate(tensors):
-                new = old.new_zeros(old.shape[0], old.shape[1], new_len, old.shape[3])
-                new[:, :, : self.length] = old[:, :, : self.length]
-                tensors[i] = new
+        for layers in (self._k, self._v):
+            for parts in layers:
+                for i, old in enumerate(parts):
+                    new = old.new_zeros(old.shape[0], old.shape[1], new_len, *old.shape[3:])
+                    new[:, :, : self.length] = old[:, :, : self.length]
+                    parts[i] = new
+        self.k, self.v = [parts[0] for parts in self._k], [parts[0] for parts in self._v]
         self.max_len = new_len
 
     def truncate(self, length: int) -> None:
@@ -238,12 +259,15 @@ class ContiguousKVCache(SingleBatchKVCache):
 
     def write(self, layer, k, v, meta):
         end = meta.start + k.shape[2]
-        self.k[layer][:, :, meta.start : end] = k
-        self.v[layer][:, :, meta.start : end] = v
+        for parts, fmt, x in ((self._k[layer], self.formats.k, k), (self._v[layer], self.formats.v, v)):
+            for t, value in zip(parts, fmt.encode(x)):
+                t[:, :, meta.start : end] = value
 
     def read(self, layer, meta):
         end = meta.start + meta.num_new_tokens
-        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
+        k = self.formats.k.decode([t[:, :, :end] for t in self._k[layer]], self.dtype)
+        v = self.formats.v.decode([t[:, :, :end] for t in self._v[layer]], self.dtype)
+        return k, v
 
 
 class NoCache(SingleBatchKVCache):

@@ -2,6 +2,10 @@
 
     k[layer]: [num_blocks, block_size, Hkv, D]   (v alike)      slot = block * block_size + offset
 
+Each is stored in its format (`kv/formats.py`): a float tensor, or codes plus scale tensors shaped
+[num_blocks, block_size, Hkv, ...]; new tokens are quantized as they are written, gathered blocks
+dequantized as they are read, and block copies and zeroing touch every storage tensor.
+
 With sliding-window layers the layers form KV groups (`kv/layout.py`): each group has its own block
 table per request and its layers share the pool's tensors — layer `group.layers[j]` is slot j, so
 `k[layer]` is the same tensor for the j-th layer of every group, and a block id means "these
@@ -28,7 +32,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvlab.kv.cache import AttentionMetadata, KVCache
+from kvlab.kv.cache import AttentionMetadata, KVCache, allocate
+from kvlab.kv.formats import KVFormats
 from kvlab.kv.layout import KVLayout
 from kvlab.kv.manager import BlockZero
 
@@ -90,39 +95,47 @@ class PagedKVCache(KVCache):
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
         layout: KVLayout | None = None,
+        formats: KVFormats | None = None,
     ):
         self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
+        self.dtype = dtype  # what attention reads: the stored vectors, decoded
+        self.formats = formats or KVFormats.plain(dtype)
         self.layout = layout or KVLayout.uniform((None,) * num_layers)
         self.windows = self.layout.layer_windows
         self.placement = self.layout.placement()  # (KV group, slot) of each layer
-        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        leading = (num_blocks, block_size, num_kv_heads)
         # uninitialised: on a CPU the pages stay untouched (not resident) until a block is first used;
         # every block is zeroed when allocated (kv.manager.BlockZero)
         slots = self.layout.layers_per_block
-        self._k = [torch.empty(shape, dtype=dtype, device=device) for _ in range(slots)]
-        self._v = [torch.empty(shape, dtype=dtype, device=device) for _ in range(slots)]
-        self.k = [self._k[slot] for _, slot in self.placement]  # per layer (layers of different groups alias)
-        self.v = [self._v[slot] for _, slot in self.placement]
+        self._k = [allocate(self.formats.k, leading, head_dim, device, False) for _ in range(slots)]
+        self._v = [allocate(self.formats.v, leading, head_dim, device, False) for _ in range(slots)]
+        self.k_parts = [self._k[slot] for _, slot in self.placement]  # per layer (layers of different groups alias)
+        self.v_parts = [self._v[slot] for _, slot in self.placement]
+        self.k = [parts[0] for parts in self.k_parts]  # the floats of a float format, the codes of a quantized one
+        self.v = [parts[0] for parts in self.v_parts]
 
     @classmethod
     def for_model(cls, config, num_blocks: int, block_size: int = 16, dtype=torch.float32, device="cpu",
-                  layout: KVLayout | None = None):  # fmt: skip
+                  layout: KVLayout | None = None, formats: KVFormats | None = None):  # fmt: skip
         return cls(config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim, dtype, device,
-                   layout or KVLayout.for_model(config))  # fmt: skip
+                   layout or KVLayout.for_model(config), formats)  # fmt: skip
 
     @classmethod
-    def bytes_per_block_for(cls, config, dtype: torch.dtype, block_size: int, layout: KVLayout) -> int:
+    def bytes_per_block_for(cls, config, dtype: torch.dtype, block_size: int, layout: KVLayout,
+                            formats: KVFormats | None = None) -> int:  # fmt: skip
         """Bytes of one block: block_size tokens of the layout's layers per block (K, V and any scales)."""
-        return cls.bytes_per_token_for(config, dtype) * layout.layers_per_block // config.num_layers * block_size
+        per_token = cls.bytes_per_token_for(config, dtype, formats)
+        return per_token * layout.layers_per_block // config.num_layers * block_size
 
     @property
     def device(self) -> torch.device:
         return self.k[0].device
 
     def tensors(self) -> list[torch.Tensor]:
-        """Every tensor of the pool, once; each is indexed by block first, so a block operation touches all of them."""
-        return self._k + self._v
+        """Every tensor of the pool, once (codes and scales); each is indexed by block first, so a block
+        operation touches all of them."""
+        return [t for parts in self._k + self._v for t in parts]
 
     def bytes_per_token(self) -> int:
         """Bytes one token slot of a block takes: K and V of the layers a block holds (every layer
@@ -136,18 +149,21 @@ class PagedKVCache(KVCache):
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, meta: KVGroupMetadata) -> None:
         """k, v [1, Hkv, N, D] of the step's packed tokens → their slots (the layer's KV group's mapping)."""
-        Hkv, D = self.num_kv_heads, self.head_dim
-        self.k[layer].view(-1, Hkv, D).index_copy_(0, meta.slot_mapping, k[0].transpose(0, 1))
-        self.v[layer].view(-1, Hkv, D).index_copy_(0, meta.slot_mapping, v[0].transpose(0, 1))
+        for parts, fmt, x in ((self.k_parts[layer], self.formats.k, k), (self.v_parts[layer], self.formats.v, v)):
+            for t, value in zip(parts, fmt.encode(x[0].transpose(0, 1))):  # [N, Hkv, ...] each
+                t.view(-1, *t.shape[2:]).index_copy_(0, meta.slot_mapping, value)
 
     def gather(self, layer: int, group: AttentionGroup) -> tuple[torch.Tensor, torch.Tensor]:
         """Every key and value of the group's sequences: [B, Hkv, L, D] each (padding past short ones)."""
-        B, L, Hkv, D = group.batch_size, group.num_keys, self.num_kv_heads, self.head_dim
+        B, L = group.batch_size, group.num_keys
         blocks = group.block_tables.view(-1)
-        # whole blocks as rows: index_select copies rows, several times faster than k[tables]
-        k = self.k[layer].view(self.num_blocks, -1).index_select(0, blocks).view(B, -1, Hkv, D)  # [B, blocks·bs, Hkv, D]
-        v = self.v[layer].view(self.num_blocks, -1).index_select(0, blocks).view(B, -1, Hkv, D)
-        return k[:, :L].transpose(1, 2), v[:, :L].transpose(1, 2)
+        out = []
+        for parts, fmt in ((self.k_parts[layer], self.formats.k), (self.v_parts[layer], self.formats.v)):
+            # whole blocks as rows: index_select copies rows, several times faster than k[tables]
+            rows = [t.view(self.num_blocks, -1).index_select(0, blocks).view(B, -1, *t.shape[2:]) for t in parts]
+            x = fmt.decode(rows, self.dtype)  # [B, blocks·bs, Hkv, D]
+            out.append(x[:, :L].transpose(1, 2))
+        return out[0], out[1]
 
     def read(self, layer: int, meta: PagedMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """The keys and values of a step with a single group (see `attend` for the general case)."""

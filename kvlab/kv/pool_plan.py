@@ -18,6 +18,7 @@ import torch
 from kvlab.config import EngineConfig, ModelConfig
 from kvlab.errors import KvlabError
 from kvlab.kv.layout import KVLayout
+from kvlab.kv.formats import KVFormats
 from kvlab.kv.paged import PagedKVCache
 
 DEFAULT_KV_FRACTION = 0.2  # of free memory, when --kv-memory is not given
@@ -32,6 +33,7 @@ class KVPoolPlan:
     source: str  # where the budget came from, in words
     layout: KVLayout  # which layers a block holds; sliding groups keep only their window
     bytes_per_block: int  # block_size tokens of one block's layers
+    formats: KVFormats = None  # how keys and values are stored (floats, or quantized with their scales)
 
     @property
     def num_tokens(self) -> int:
@@ -80,8 +82,9 @@ def plan_kv_pool(
     if block_size < 1:
         raise KvlabError(f"--block-size must be at least 1, got {block_size}")
     layout = KVLayout.for_model(model, windowed=config.windowed_kv)
-    per_token = cache_cls.bytes_per_token_for(model, dtype)
-    per_block = cache_cls.bytes_per_block_for(model, dtype, block_size, layout)
+    formats = KVFormats.resolve(config.kv_cache_dtype, config.cache_type_k, config.cache_type_v, dtype)
+    per_token = cache_cls.bytes_per_token_for(model, dtype, formats)
+    per_block = cache_cls.bytes_per_block_for(model, dtype, block_size, layout, formats)
     # a sequence at full context in its largest step: a sliding group's window plus a whole chunk
     peak = layout.peak_blocks(max_model_len, block_size, config.max_num_batched_tokens)
     if config.kv_memory_bytes is not None:
@@ -102,4 +105,4 @@ def plan_kv_pool(
             f"{max_model_len} tokens ({peak} blocks of {per_block:,} bytes): give more --kv-memory "
             f"or a smaller --max-model-len"
         )
-    return KVPoolPlan(block_size, per_token, num_blocks, max_model_len, source, layout, per_block)
+    return KVPoolPlan(block_size, per_token, num_blocks, max_model_len, source, layout, per_block, formats)

@@ -66,7 +66,9 @@ def nice_log_ticks(lo: float, hi: float) -> list[float]:
         edges = [math.log10(t) for t in [lo, *ticks, hi]]
         if len(ticks) >= 3 and max(b - a for a, b in zip(edges, edges[1:])) <= span / 2:
             return ticks
-    return ticks
+    # a range narrower still (1,600 to 1,900): three ticks spread over it, at three significant digits
+    spread = [lo * (hi / lo) ** (i / 4) for i in (1, 2, 3)]
+    return [float(f"{t:.3g}") for t in spread]
 
 
 def plain(x: float) -> str:

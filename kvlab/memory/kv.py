@@ -16,7 +16,7 @@ from fractions import Fraction
 
 from kvlab.errors import KvlabError
 from kvlab.config import MLA, Attention, GatedDeltaNet, Mamba2, Mixer, ModelConfig
-from kvlab.memory.units import canonical_dtype, ceil_bytes, kv_dtype_bits
+from kvlab.memory.units import canonical_dtype, ceil_bytes, kv_dtype_bits, kv_vector_scale_bytes
 
 MAX_CONTEXT = 2**40  # tokens; a guard against typos, far beyond any model
 MAX_BATCH = 10**9
@@ -58,11 +58,37 @@ def state_numbers(mixer: Mixer | None) -> tuple[int, int]:
 
 
 def resolve_kv_dtype(spec: ModelConfig, kv_dtype: object) -> str:
-    """'auto' (or None) means the model's own dtype; anything else is checked and normalised."""
-    if kv_dtype is None or str(kv_dtype).lower() == "auto":
-        return spec.dtype
-    kv_dtype_bits(kv_dtype)  # raises on an unknown name
-    return canonical_dtype(kv_dtype)
+    """'auto' (or None) means the model's own dtype; anything else is checked and normalised.
+
+    A pair (K dtype, V dtype), or "K:V" as one string, stores keys and values apart (--cache-type-k/-v);
+    it resolves to "K:V" (or to one name when both are the same)."""
+    k, v = _kv_pair(kv_dtype)
+    k, v = (spec.dtype if d is None or str(d).lower() == "auto" else d for d in (k, v))
+    for d in (k, v):
+        kv_dtype_bits(d)  # raises on an unknown name
+    k, v = canonical_dtype(k), canonical_dtype(v)
+    return k if k == v else f"{k}:{v}"
+
+
+def _kv_pair(kv_dtype: object) -> tuple[object, object]:
+    if isinstance(kv_dtype, (tuple, list)) and len(kv_dtype) == 2:
+        return kv_dtype[0], kv_dtype[1]
+    if isinstance(kv_dtype, str) and ":" in kv_dtype:
+        k, v = kv_dtype.split(":", 1)
+        return k, v
+    return kv_dtype, kv_dtype
+
+
+def token_bits(mixer: Mixer | None, kv_dtype: str) -> Fraction:
+    """Bits one token adds to one layer's cache, keys and values each in their format (scales included)."""
+    k, v = _kv_pair(kv_dtype)
+    if isinstance(mixer, Attention):
+        per_head = (mixer.head_dim * kv_dtype_bits(k) + 8 * kv_vector_scale_bytes(k)
+                    + mixer.v_head_dim * kv_dtype_bits(v) + 8 * kv_vector_scale_bytes(v))  # fmt: skip
+        return mixer.kv_heads * per_head
+    if isinstance(mixer, MLA):  # one latent vector (and the shared RoPE key), in K's format
+        return numbers_per_token(mixer) * kv_dtype_bits(k) + 8 * kv_vector_scale_bytes(k)
+    return Fraction(0)
 
 
 def kv_bytes_per_token(spec: ModelConfig, kv_dtype: object = "bfloat16") -> int:
@@ -71,16 +97,14 @@ def kv_bytes_per_token(spec: ModelConfig, kv_dtype: object = "bfloat16") -> int:
     That is every full-attention and MLA layer. Sliding-window layers stop growing at their window:
     they are in `window_bytes_per_token` and `kv_bytes`. For Qwen3-0.6B in bfloat16 this is 114,688.
     """
-    bits = kv_dtype_bits(resolve_kv_dtype(spec, kv_dtype))
-    numbers = sum(numbers_per_token(layer.mixer) for layer in spec.layers if window_of(layer.mixer) is None)
-    return ceil_bytes(numbers * bits)
+    dtype = resolve_kv_dtype(spec, kv_dtype)
+    return ceil_bytes(sum(token_bits(layer.mixer, dtype) for layer in spec.layers if window_of(layer.mixer) is None))
 
 
 def window_bytes_per_token(spec: ModelConfig, kv_dtype: object = "bfloat16") -> int:
     """Bytes per token of the sliding-window layers, paid only until each window is full."""
-    bits = kv_dtype_bits(resolve_kv_dtype(spec, kv_dtype))
-    numbers = sum(numbers_per_token(layer.mixer) for layer in spec.layers if window_of(layer.mixer))
-    return ceil_bytes(numbers * bits)
+    dtype = resolve_kv_dtype(spec, kv_dtype)
+    return ceil_bytes(sum(token_bits(layer.mixer, dtype) for layer in spec.layers if window_of(layer.mixer)))
 
 
 def kv_bytes(spec: ModelConfig, context: int, batch: int = 1, kv_dtype: object = "bfloat16") -> int:
@@ -89,9 +113,9 @@ def kv_bytes(spec: ModelConfig, context: int, batch: int = 1, kv_dtype: object =
     Intrinsic bytes: no block rounding, no engine reserve. Constant states are in `state_bytes`.
     """
     check_sizes(context=context, batch=batch)
-    bits = kv_dtype_bits(resolve_kv_dtype(spec, kv_dtype))
-    numbers = sum(numbers_per_token(layer.mixer) * cached_tokens(layer.mixer, context) for layer in spec.layers)
-    return ceil_bytes(numbers * bits * batch)
+    dtype = resolve_kv_dtype(spec, kv_dtype)
+    bits = sum(token_bits(layer.mixer, dtype) * cached_tokens(layer.mixer, context) for layer in spec.layers)
+    return ceil_bytes(bits * batch)
 
 
 def state_bytes(spec: ModelConfig, batch: int = 1, state_dtype: object = None) -> int:

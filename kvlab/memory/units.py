@@ -16,18 +16,28 @@ from kvlab.errors import KvlabError
 KIB, MIB, GIB, TIB = 2**10, 2**20, 2**30, 2**40
 
 # --- KV-cache element types: bits per cached number -------------------------------------------------
-# Plain storage widths. int8/int4 assume the engine keeps its scales elsewhere (a few bytes per block,
-# not counted); q8_0/q4_0 are llama.cpp's cache types with their per-32 fp16 scale included.
+# Plain storage widths. int8/int4 and fp8 assume the engine keeps its scales elsewhere (a few bytes per
+# block or per tensor, not counted: vLLM's fp8); q8_0/q4_0 are llama.cpp's cache types with their
+# per-32 fp16 scale included; kvlab's fp8_e4m3 adds one float32 scale to every head's vector.
 KV_DTYPE_BITS: dict[str, Fraction] = {
     "float32": Fraction(32),
     "bfloat16": Fraction(16),
     "float16": Fraction(16),
     "fp8": Fraction(8),
+    "fp8_e4m3": Fraction(8),
     "int8": Fraction(8),
     "int4": Fraction(4),
     "q8_0": Fraction(34 * 8, 32),
     "q4_0": Fraction(18 * 8, 32),
 }
+
+
+KV_VECTOR_SCALE_BYTES: dict[str, int] = {"fp8_e4m3": 4}  # bytes of scale per vector (one head, one token)
+
+
+def kv_vector_scale_bytes(name: object) -> int:
+    """Bytes of scale a KV format stores with every vector of head_dim numbers (0 for most)."""
+    return KV_VECTOR_SCALE_BYTES.get(canonical_dtype(name), 0)
 
 
 # --- GGUF block types: (numbers per block, bytes per block), as in ggml's type traits ------------------
@@ -52,6 +62,7 @@ WEIGHT_FORMAT_BITS: dict[str, Fraction] = {
     "bfloat16": Fraction(16),
     "float16": Fraction(16),
     "fp8": Fraction(8),                       # one scale per tensor: negligible
+    "fp8_e4m3": Fraction(8),
     "fp8-block128": 8 + Fraction(32, 128 * 128),  # DeepSeek-V3: fp32 scale per 128x128 block
     "int8": Fraction(8),                      # per-channel scales: negligible
     "int4": 4 + Fraction(16, 128),            # group 128, fp16 scale           -> 4.125

@@ -1,0 +1,186 @@
+"""How the KV cache stores one head's vector of head_dim numbers: floats, or quantized with its scales.
+
+    float32 / bfloat16 / float16   the numbers as that dtype
+    q8_0    blocks of 32 along head_dim: int8 codes and one fp16 scale d = max|x| / 127 each (34 bytes
+            per 32 values, llama.cpp's block); x ≈ d · q
+    q4_0    blocks of 32: 4-bit codes and one fp16 scale d = x_m / −8, x_m the value of largest |x|
+            (18 bytes per 32); x ≈ d · (q − 8)
+    fp8_e4m3  float8 e4m3 numbers and one float32 scale per vector, amax / 448 from the vector itself
+            (not 1.0: a cache written in raw fp8 loses the small values of heads whose range is small)
+
+A format turns vectors [..., D] into its storage tensors ([..., D] codes, [..., D / 32] scales, ...)
+and back. The caches allocate each storage tensor with their own leading dimensions, quantize on
+write and dequantize on read; `tensors()` lists the scales too, so block copies and zeroing move a
+block's scales with its codes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvlab.errors import KvlabError
+
+QBLOCK = 32
+FP8_MAX = 448.0  # the largest finite float8_e4m3fn
+
+
+@dataclass(frozen=True)
+class KVFormat:
+    name: str
+
+    def storage(self, head_dim: int) -> list[tuple[tuple[int, ...], torch.dtype]]:
+        """Each storage tensor's trailing shape and dtype for one vector of `head_dim` numbers."""
+        raise NotImplementedError
+
+    def encode(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """Vectors x [..., D] (any float dtype) → the storage tensors' values [..., *trailing]."""
+        raise NotImplementedError
+
+    def decode(self, parts: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        """Storage values → vectors [..., D] in `dtype`."""
+        raise NotImplementedError
+
+    def bytes_per_vector(self, head_dim: int) -> int:
+        return sum(_numel(shape) * torch.empty(0, dtype=dtype).element_size() for shape, dtype in self.storage(head_dim))
+
+    @property
+    def is_quantized(self) -> bool:
+        return True
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _blocks(x: torch.Tensor) -> torch.Tensor:
+    if x.shape[-1] % QBLOCK:
+        raise KvlabError(f"a q8_0 / q4_0 KV cache needs head_dim in whole blocks of {QBLOCK}, got {x.shape[-1]}")
+    return x.float().reshape(*x.shape[:-1], x.shape[-1] // QBLOCK, QBLOCK)
+
+
+@dataclass(frozen=True)
+class FloatFormat(KVFormat):
+    dtype: torch.dtype = torch.float32
+
+    def storage(self, head_dim):
+        return [((head_dim,), self.dtype)]
+
+    def encode(self, x):
+        return [x.to(self.dtype)]
+
+    def decode(self, parts, dtype):
+        return parts[0].to(dtype)
+
+    @property
+    def is_quantized(self) -> bool:
+        return False
+
+
+class Q8_0(KVFormat):
+    def storage(self, head_dim):
+        return [((head_dim,), torch.int8), ((head_dim // QBLOCK,), torch.float16)]
+
+    def encode(self, x):
+        b = _blocks(x)  # [..., D/32, 32]
+        d = (b.abs().amax(dim=-1) / 127).to(torch.float16)  # the scale as stored: codes are made with it
+        inv = torch.where(d == 0, 0.0, 1.0 / d.float())
+        q = torch.round(b * inv[..., None]).clamp(-127, 127).to(torch.int8)
+        return [q.reshape(x.shape), d]
+
+    def decode(self, parts, dtype):
+        q, d = parts
+        b = q.reshape(*q.shape[:-1], -1, QBLOCK).float() * d.float()[..., None]
+        return b.reshape(q.shape).to(dtype)
+
+
+class Q4_0(KVFormat):
+    def storage(self, head_dim):
+        return [((head_dim // 2,), torch.uint8), ((head_dim // QBLOCK,), torch.float16)]
+
+    def encode(self, x):
+        b = _blocks(x)
+        at = b.abs().argmax(dim=-1, keepdim=True)
+        d = (b.gather(-1, at)[..., 0] / -8).to(torch.float16)
+        inv = torch.where(d == 0, 0.0, 1.0 / d.float())
+        q = torch.trunc(b * inv[..., None] + 8.5).clamp(0, 15).to(torch.uint8)
+        packed = q[..., :16] | (q[..., 16:] << 4)  # byte j: value j low, value j + 16 high (llama.cpp's order)
+        return [packed.reshape(*x.shape[:-1], x.shape[-1] // 2), d]
+
+    def decode(self, parts, dtype):
+        packed, d = parts
+        p = packed.reshape(*packed.shape[:-1], -1, QBLOCK // 2)
+        q = torch.cat([p & 0x0F, p >> 4], dim=-1).to(torch.int8) - 8  # [..., D/32, 32]
+        b = q.float() * d.float()[..., None]
+        return b.reshape(*packed.shape[:-1], -1).to(dtype)
+
+
+class FP8E4M3(KVFormat):
+    # the codes are kept as their bytes (uint8): block zeroing and copies then need no float8 kernels,
+    # which PyTorch's CPU build lacks for index_fill
+    def storage(self, head_dim):
+        return [((head_dim,), torch.uint8), ((1,), torch.float32)]
+
+    def encode(self, x):
+        xf = x.float()
+        s = xf.abs().amax(dim=-1, keepdim=True) / FP8_MAX
+        s = torch.where(s == 0, torch.ones_like(s), s)
+        return [(xf / s).to(torch.float8_e4m3fn).view(torch.uint8), s]
+
+    def decode(self, parts, dtype):
+        q, s = parts
+        return (q.view(torch.float8_e4m3fn).float() * s).to(dtype)
+
+
+KV_FORMATS: dict[str, KVFormat] = {
+    "float32": FloatFormat("float32", torch.float32),
+    "bfloat16": FloatFormat("bfloat16", torch.bfloat16),
+    "float16": FloatFormat("float16", torch.float16),
+    "fp8_e4m3": FP8E4M3("fp8_e4m3"),
+    "q8_0": Q8_0("q8_0"),
+    "q4_0": Q4_0("q4_0"),
+}
+_ALIASES = {"fp32": "float32", "f32": "float32", "bf16": "bfloat16", "fp16": "float16", "f16": "float16",
+            "half": "float16", "float8_e4m3fn": "fp8_e4m3"}  # fmt: skip
+KV_CACHE_DTYPES = ("auto", *KV_FORMATS)
+
+
+def kv_format(name: str | None, model_dtype: torch.dtype) -> KVFormat:
+    """The format `--kv-cache-dtype NAME` names ('auto': the activations' dtype); a KvlabError lists the choices."""
+    key = str(name or "auto").strip().lower()
+    key = _ALIASES.get(key, key)
+    if key == "auto":
+        return next(f for f in KV_FORMATS.values() if isinstance(f, FloatFormat) and f.dtype == model_dtype)
+    if key not in KV_FORMATS:
+        raise KvlabError(f"unknown KV cache dtype {name!r}: choose one of {', '.join(KV_CACHE_DTYPES)}")
+    return KV_FORMATS[key]
+
+
+@dataclass(frozen=True)
+class KVFormats:
+    """The formats of keys and of values (llama.cpp's --cache-type-k / --cache-type-v)."""
+
+    k: KVFormat
+    v: KVFormat
+
+    @classmethod
+    def resolve(cls, kv_cache_dtype=None, cache_type_k=None, cache_type_v=None, model_dtype=torch.float32) -> KVFormats:
+        """--cache-type-k / -v where given, else --kv-cache-dtype for both, else the activations' dtype."""
+        return cls(kv_format(cache_type_k or kv_cache_dtype, model_dtype),
+                   kv_format(cache_type_v or kv_cache_dtype, model_dtype))  # fmt: skip
+
+    @classmethod
+    def plain(cls, dtype: torch.dtype) -> KVFormats:
+        return cls.resolve(model_dtype=dtype)
+
+    @property
+    def name(self) -> str:
+        return self.k.name if self.k == self.v else f"K {self.k.name}, V {self.v.name}"
+
+    @property
+    def is_quantized(self) -> bool:
+        return self.k.is_quantized or self.v.is_quantized
