@@ -65,6 +65,20 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-batched-tokens", type=int, default=512,
                    help="tokens through the model per step; longer prompts are prefilled in chunks (default 512)")  # fmt: skip
     g.add_argument("--no-prefix-caching", action="store_true", help="do not reuse K/V of earlier prompts")
+    add_kv_cache_args(p)
+
+
+def add_kv_cache_args(p: argparse.ArgumentParser) -> None:
+    """How the KV cache stores keys and values: vLLM's --kv-cache-dtype, llama.cpp's --cache-type-k/-v."""
+    from kvlab.config.engine import KV_CACHE_DTYPES
+
+    g = p.add_argument_group("KV cache")
+    g.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                   help="keys and values: floats, or quantized with their scales (q8_0, q4_0: llama.cpp's blocks of "
+                        "32; fp8_e4m3: a scale per vector); auto: the activations' dtype. Check a setting with "
+                        "kvlab quality (default auto)")  # fmt: skip
+    g.add_argument("--cache-type-k", choices=KV_CACHE_DTYPES[1:], help="keys only (overrides --kv-cache-dtype)")
+    g.add_argument("--cache-type-v", choices=KV_CACHE_DTYPES[1:], help="values only (overrides --kv-cache-dtype)")
 
 
 def engine_options(args) -> dict:
@@ -85,6 +99,9 @@ def engine_options(args) -> dict:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_batched_tokens,
         enable_prefix_caching=not args.no_prefix_caching,
+        kv_cache_dtype=args.kv_cache_dtype,
+        cache_type_k=args.cache_type_k,
+        cache_type_v=args.cache_type_v,
     )
 
 
@@ -248,6 +265,7 @@ def _json_output(llm, out, args) -> dict:
         cpu_others_busy=llm.cpu_load.others_busy if llm.cpu_load else None,
         use_cache=not args.no_cache,
         weight_format=llm.loaded.weight_format,
+        kv_cache_dtype=llm.engine.pool_plan.formats.name,
         weight_bytes=llm.loaded.weight_bytes,
         load_s=llm.loaded.load_s,
     )
@@ -263,7 +281,7 @@ def print_report(llm, out, args, file) -> None:
     m = out.metrics
     cache = "off (recomputing every step)" if args.no_cache else (
         f"{_mib(m.kv_cache_bytes)} in use for {m.prompt_tokens + m.generated_tokens - 1} tokens, "
-        f"{_mib(m.kv_cache_allocated_bytes)} allocated"
+        f"{_mib(m.kv_cache_allocated_bytes)} allocated, {llm.engine.pool_plan.formats.name}"
     )  # fmt: skip
     lines = [
         f"── {args.model}: {dtype_text(llm, args)} on {args.device}, {threads_text(llm, args)}, weights "

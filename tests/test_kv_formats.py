@@ -130,3 +130,22 @@ def test_real_models_caches_equal_the_calculator_in_every_format(real_model, mod
     for name in KV_FORMATS:
         cache = ContiguousKVCache.for_model(config, 1000, formats=KVFormats.resolve(name), device="meta")
         assert cache.nbytes() == kv_bytes(config, 1000, kv_dtype=name), name
+
+
+def test_kvlab_mem_sizes_keys_and_values_apart_and_per_rank(capsys):
+    import json
+
+    from kvlab.cli import main
+    from kvlab.config.shard import shard_config
+
+    args = ["mem", "qwen2.5-coder-0.5b-instruct", "--context", "8192", "--json"]
+    assert main(args + ["--cache-type-k", "q8_0", "--cache-type-v", "q4_0"]) == 0
+    report = json.loads(capsys.readouterr().out)  # one model: one report
+    config = load_config("qwen2.5-coder-0.5b-instruct")
+    cache = ContiguousKVCache.for_model(config, 8192, formats=KVFormats.resolve(cache_type_k="q8_0", cache_type_v="q4_0"),
+                                        device="meta")  # fmt: skip
+    assert report["kv_dtype"] == "q8_0:q4_0" and report["kv_bytes"] == cache.nbytes()
+    assert main(args + ["--kv-dtype", "q8_0", "--tensor-parallel-size", "2"]) == 0
+    per_rank = json.loads(capsys.readouterr().out)["kv_bytes"]
+    rank = ContiguousKVCache.for_model(shard_config(config, 2), 8192, formats=KVFormats.resolve("q8_0"), device="meta")
+    assert per_rank == rank.nbytes() == kv_bytes(config, 8192, kv_dtype="q8_0") // 2

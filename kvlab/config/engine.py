@@ -7,6 +7,9 @@ from dataclasses import dataclass
 from kvlab.config.model import ModelConfig
 from kvlab.errors import KvlabError
 
+# --kv-cache-dtype's choices (kv/formats.py stores each; "auto" is the activations' dtype)
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8_e4m3", "q8_0", "q4_0")
+
 
 @dataclass(frozen=True)
 class EngineConfig:

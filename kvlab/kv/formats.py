@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvlab.config.engine import KV_CACHE_DTYPES
 from kvlab.errors import KvlabError
 
 QBLOCK = 32
@@ -146,7 +147,7 @@ KV_FORMATS: dict[str, KVFormat] = {
 }
 _ALIASES = {"fp32": "float32", "f32": "float32", "bf16": "bfloat16", "fp16": "float16", "f16": "float16",
             "half": "float16", "float8_e4m3fn": "fp8_e4m3"}  # fmt: skip
-KV_CACHE_DTYPES = ("auto", *KV_FORMATS)
+assert set(KV_FORMATS) == set(KV_CACHE_DTYPES[1:]), "config/engine.py's list of --kv-cache-dtype choices"
 
 
 def kv_format(name: str | None, model_dtype: torch.dtype) -> KVFormat:

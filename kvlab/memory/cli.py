@@ -40,6 +40,10 @@ def register(subparsers) -> None:
     p.add_argument("-b", "--batch", default="1", metavar="B", help="concurrent sequences (default 1)")
     p.add_argument("--kv-dtype", default="auto", metavar="DTYPE",
                    help=f"KV-cache element type: auto (the model's dtype), {', '.join(KV_DTYPE_BITS)}")
+    p.add_argument("--cache-type-k", metavar="DTYPE", help="keys only (overrides --kv-dtype), e.g. q8_0")
+    p.add_argument("--cache-type-v", metavar="DTYPE", help="values only (overrides --kv-dtype), e.g. q4_0")
+    p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
+                   help="what one of N ranks holds: its share of the heads (and so of the KV cache)")
     p.add_argument("--weights", default="auto", metavar="FORMAT",
                    help="weight format: auto (as stored), float32, bfloat16, fp8, int8, int4 (group 128 "
                         "+ fp16 scale = 4.125 bits), mxfp4, q8_0, q4_0, q4_1, q4_k, q5_0, q5_k, q6_k, or "
@@ -73,12 +77,18 @@ def run(args: argparse.Namespace) -> int:
         n, m = (_int(v, "--pairs") for v in args.pairs)
         pairs = {"n": n, "m": m, "with_cache": pairs_with_cache(n, m), "without_cache": pairs_without_cache(n, m)}
     specs = [load_config(name) for name in args.models]
+    if args.tensor_parallel_size != 1:
+        from kvlab.config.shard import shard_config
+
+        if args.tensor_parallel_size < 1:
+            raise KvlabError(f"--tensor-parallel-size must be at least 1, got {args.tensor_parallel_size}")
+        specs = [shard_config(spec, args.tensor_parallel_size) for spec in specs]
     if args.mtp:
         specs = [spec.with_mtp() for spec in specs]
     base = Query(
         context=1,
         batch=_int(args.batch, "--batch"),
-        kv_dtype=args.kv_dtype,
+        kv_dtype=_kv_dtype(args),
         weights=args.weights,
         state_dtype=args.state_dtype,
         device_bytes=parse_size(args.device_memory) if args.device_memory else None,
@@ -168,3 +178,10 @@ def _float(text: str, flag: str) -> float:
     if not 0 < value <= 1:
         raise KvlabError(f"{flag} must be in (0, 1], got {value}")
     return value
+
+
+def _kv_dtype(args) -> str:
+    """--kv-dtype, or "K:V" when --cache-type-k / --cache-type-v choose keys and values apart."""
+    if args.cache_type_k is None and args.cache_type_v is None:
+        return args.kv_dtype
+    return f"{args.cache_type_k or args.kv_dtype}:{args.cache_type_v or args.kv_dtype}"
