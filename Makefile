@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 MODEL  ?= smollm2-135m
 
-.PHONY: install install-dev demo test test-fast bench clean
+.PHONY: install install-dev browser demo test test-fast bench clean
 
 $(VENV)/.base:
 	$(PYTHON) -m venv $(VENV)
@@ -24,14 +24,22 @@ $(VENV)/.installed-dev: $(VENV)/.installed pyproject.toml
 install: $(VENV)/.installed
 install-dev: $(VENV)/.installed-dev
 
+# The page's browser test (tests/test_web_browser.py) drives Debian's chromium through Playwright: its
+# own browser download cannot work offline. Installed where missing and possible (root, apt-get);
+# otherwise the test is skipped and says why.
+browser:
+	@test -x /usr/bin/chromium || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; } || \
+		echo "chromium could not be installed: the browser test will be skipped"
+
 demo: install
 	$(VENV)/bin/kvlab pull $(MODEL)
 	$(VENV)/bin/kvlab run $(MODEL) --chat "What is the capital of France? Answer in one sentence."
 
-test: install-dev
+test: install-dev browser
 	$(PY) -m pytest -q
 
-test-fast: install-dev
+test-fast: install-dev browser
 	$(PY) -m pytest -q -m "not real"
 
 # the speed figures in the README: kvlab vs transformers, then the serving engine (minutes, not a test)

@@ -45,6 +45,7 @@ from kvlab.server.protocol import APIError, Limits, ParsedRequest, parse_chat, p
 from kvlab.server.streaming import EventStream
 from kvlab.server.tools import markers_are_tokens
 from kvlab.server.ps import ps_payload
+from kvlab.server.web import add_web_routes
 
 logger = logging.getLogger(__name__)
 
@@ -172,6 +173,8 @@ def create_app(llm, engine: AsyncEngine, config: ServerConfig) -> FastAPI:
             raise APIError(404, f"the model {model_id!r:.80} does not exist: this server serves "
                            f"'{config.model_name}'", param="model", code="model_not_found")  # fmt: skip
         return responses.model_card(config.model_name, llm.engine.max_model_len)
+
+    add_web_routes(app, llm, config, authorized)  # the page at / and its JSON endpoints (web.py)
 
     @app.post("/v1/completions")
     async def completions(request: Request, key: str | None = Depends(authorized)):

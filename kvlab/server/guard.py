@@ -11,6 +11,8 @@ as llama.cpp's and Jupyter's servers have them, keep web pages out:
 - **Origin and CORS.** Browsers send `Origin` on cross-site requests. Without `--allowed-origins`
   no CORS header is ever sent and a request carrying an `Origin` is refused (403,
   `origin_not_allowed`); with it, those origins (or `*`) get CORS headers and preflight answers.
+  The server's own origin is not cross-site: its page at `/` (web.py) sends `Origin` with every
+  POST, and it passes when it equals the request's scheme and Host, a Host named as above.
 - **Content type.** A page may POST `text/plain`, a form or multipart data without a preflight
   ("simple" requests), never `application/json`: POST bodies must be `application/json`, UTF-8
   (415, `unsupported_media_type`).
@@ -38,6 +40,17 @@ class GuardConfig:
     def host_allowed(self, host_header: str | None) -> bool:
         if host_header is None or "*" in self.allowed_hosts:
             return True  # HTTP/1.0 clients send none; browsers always do
+        return self._names_this_server(host_header)
+
+    def same_origin(self, origin: str, scheme: str, host_header: str | None) -> bool:
+        """The request comes from a page of this server's own origin (scheme and Host), by a name it
+        was given. Not by `*` alone: a rebinding page's origin is its own name, which `*` lets in."""
+        if host_header is None or origin.rstrip("/").lower() != f"{scheme}://{host_header.strip()}".lower():
+            return False
+        return self._names_this_server(host_header)
+
+    def _names_this_server(self, host_header: str) -> bool:
+        """An IP address, localhost, the bound name or one of allowed_hosts (`*` aside)."""
         name = _hostname(host_header)
         if name is None:
             return False
@@ -63,6 +76,8 @@ class Guard:
             return await _refuse(send, 400, "invalid_host",
                                  f"Host {headers.get('host')!r} does not name this server: add it to --allowed-hosts")  # fmt: skip
         origin = headers.get("origin")
+        if origin is not None and self.config.same_origin(origin, scope.get("scheme", "http"), headers.get("host")):
+            origin = None  # the page this server served at / (browsers send Origin on its POSTs): no CORS involved
         if origin is not None and not self.config.origin_allowed(origin):
             return await _refuse(send, 403, "origin_not_allowed",
                                  f"requests from the web origin {origin!r} are not allowed: see --allowed-origins")  # fmt: skip
