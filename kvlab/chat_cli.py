@@ -15,7 +15,7 @@ import sys
 from dataclasses import dataclass, field
 
 from kvlab.errors import KvlabError
-from kvlab.generate_cli import dtype_text, open_llm, sampling_params, threads_text, warn_if_busy
+from kvlab.generate_cli import dtype_text, open_llm_advised, sampling_params, threads_text, warn_if_busy
 
 HELP = """Commands:
   /set temperature 0.7   set a sampling value: temperature, top_p, top_k, min_p, max_tokens,
@@ -47,7 +47,7 @@ class Conversation:
 
 def run_chat(args) -> int:
     convo = Conversation(sampling_params(args), system=args.system)
-    llm = open_llm(args)
+    llm = open_llm_advised(args)
     if llm.tokenizer is None or llm.tokenizer.chat_template is None:
         raise KvlabError(f"{args.model} has no chat template: use `kvlab run MODEL PROMPT` with a raw prompt")
     warn_if_busy(llm, args)

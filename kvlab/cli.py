@@ -17,6 +17,7 @@ COMMAND_MODULES = [
     "kvlab.hub_cli",
     "kvlab.generate_cli",
     "kvlab.memory.cli",
+    "kvlab.quality.cli",
     "kvlab.lab.cli",
     "kvlab.server.cli",
     "kvlab.ps_cli",

@@ -70,7 +70,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 def add_kv_cache_args(p: argparse.ArgumentParser) -> None:
     """How the KV cache stores keys and values: vLLM's --kv-cache-dtype, llama.cpp's --cache-type-k/-v."""
-    from kvlab.config.engine import KV_CACHE_DTYPES
+    from kvlab.config.engine import KV_CACHE_DTYPES, KV_ROTATIONS
 
     g = p.add_argument_group("KV cache")
     g.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
@@ -79,6 +79,9 @@ def add_kv_cache_args(p: argparse.ArgumentParser) -> None:
                         "kvlab quality (default auto)")  # fmt: skip
     g.add_argument("--cache-type-k", choices=KV_CACHE_DTYPES[1:], help="keys only (overrides --kv-cache-dtype)")
     g.add_argument("--cache-type-v", choices=KV_CACHE_DTYPES[1:], help="values only (overrides --kv-cache-dtype)")
+    g.add_argument("--kv-rotation", default="auto", choices=KV_ROTATIONS,
+                   help="Hadamard-rotate keys and values before quantizing them, as llama.cpp does; auto: on for "
+                        "a quantized cache (default auto)")  # fmt: skip
 
 
 def engine_options(args) -> dict:
@@ -102,6 +105,7 @@ def engine_options(args) -> dict:
         kv_cache_dtype=args.kv_cache_dtype,
         cache_type_k=args.cache_type_k,
         cache_type_v=args.cache_type_v,
+        kv_rotation=args.kv_rotation,
     )
 
 
@@ -145,7 +149,7 @@ def check_model_args(args, resolve_dtype: bool = True) -> None:
         raise KvlabError(f"--threads must be at least 1, got {args.threads}")
     if args.max_model_len is not None and args.max_model_len < 2:
         raise KvlabError(f"--max-model-len must be at least 2, got {args.max_model_len}")
-    _check_device(args.device)
+    check_device(args.device)
     hub.ensure_pulled(str(args.model))
     if resolve_dtype and args.dtype == "auto":
         import torch
@@ -175,7 +179,19 @@ def open_llm(args, **overrides):
     )
 
 
-def _check_device(device: str) -> None:
+def open_llm_advised(args):
+    """open_llm, then `kvlab quality`'s word on a lossy setting for this model (one line on stderr)."""
+    from kvlab.quality.store import advice
+
+    llm = open_llm(args)
+    note = advice(str(args.model), llm.loaded.path, llm.engine.pool_plan.formats,
+                  getattr(args, "dequantize", False), getattr(args, "quantization", None))  # fmt: skip
+    if note:
+        print(note, file=sys.stderr, flush=True)
+    return llm
+
+
+def check_device(device: str) -> None:
     import torch
 
     try:
@@ -204,7 +220,7 @@ def cmd_run(args) -> int:
     prompt = read_prompt(args)
     if prompt is None:
         return cmd_chat(args)
-    llm = open_llm(args)
+    llm = open_llm_advised(args)
     warn_if_busy(llm, args)
     if args.chat:
         messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
@@ -281,7 +297,7 @@ def print_report(llm, out, args, file) -> None:
     m = out.metrics
     cache = "off (recomputing every step)" if args.no_cache else (
         f"{_mib(m.kv_cache_bytes)} in use for {m.prompt_tokens + m.generated_tokens - 1} tokens, "
-        f"{_mib(m.kv_cache_allocated_bytes)} allocated, {llm.engine.pool_plan.formats.name}"
+        f"{_mib(m.kv_cache_allocated_bytes)} allocated, {llm.engine.pool_plan.formats.description}"
     )  # fmt: skip
     lines = [
         f"── {args.model}: {dtype_text(llm, args)} on {args.device}, {threads_text(llm, args)}, weights "

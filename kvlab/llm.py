@@ -72,7 +72,7 @@ class LLM:
         default = torch.get_num_threads()
         self.policy = ThreadPolicy(threads=threads or (self.cpu_load.threads_for(default) if self.cpu_load else default))
         self.config = self.loaded.config
-        self.tokenizer = _load_tokenizer(self.loaded)
+        self.tokenizer = load_tokenizer(self.loaded)
         try:
             engine_config = EngineConfig(max_model_len=max_model_len, use_cache=use_cache, **engine_options)
         except TypeError as e:
@@ -192,7 +192,7 @@ class TextStream:
                 self.done = True
 
 
-def _load_tokenizer(loaded):
+def load_tokenizer(loaded):
     """The model's tokenizer, or None for a directory without one (tiny test models)."""
     from kvlab.tokenizer import Tokenizer
 

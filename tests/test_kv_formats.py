@@ -53,11 +53,13 @@ def test_storage_sizes_are_llama_cpps_blocks():
         kv_format("int3", torch.float32)
 
 
+@pytest.mark.parametrize("rotation", ["auto", "off"])
 @pytest.mark.parametrize("name", QUANTIZED + ["bfloat16"])
-def test_paged_and_contiguous_caches_give_identical_logits(loaded, name):
-    formats = KVFormats.resolve(name, model_dtype=torch.float32)
+def test_paged_and_contiguous_caches_give_identical_logits(loaded, name, rotation):
+    formats = KVFormats.resolve(name, model_dtype=torch.float32, rotation=rotation)
     ids = prompts(1, seed=3)[0] + prompts(1, seed=4)[0]
-    engine = LLMEngine(loaded, None, EngineConfig(enable_prefix_caching=False, kv_cache_dtype=name),
+    config = EngineConfig(enable_prefix_caching=False, kv_cache_dtype=name, kv_rotation=rotation)
+    engine = LLMEngine(loaded, None, config,
                        policy=ThreadPolicy(fused_decode=False))  # fmt: skip
     engine.add_request(ids, GREEDY)
     contiguous = ContiguousKVCache.for_model(loaded.config, 64, formats=formats)

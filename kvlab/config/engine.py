@@ -9,6 +9,7 @@ from kvlab.errors import KvlabError
 
 # --kv-cache-dtype's choices (kv/formats.py stores each; "auto" is the activations' dtype)
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8_e4m3", "q8_0", "q4_0")
+KV_ROTATIONS = ("auto", "on", "off")  # auto: rotate when keys or values are quantized (llama.cpp's default)
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,7 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
     cache_type_k: str | None = None
     cache_type_v: str | None = None
+    kv_rotation: str = "auto"  # Hadamard-rotate K and V before quantizing (kv/formats.py)
 
     def context_len(self, model: ModelConfig) -> int:
         """Tokens a sequence may hold: --max-model-len, or the model's trained context; never more than that."""

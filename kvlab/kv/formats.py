@@ -8,6 +8,11 @@
     fp8_e4m3  float8 e4m3 numbers and one float32 scale per vector, amax / 448 from the vector itself
             (not 1.0: a cache written in raw fp8 loses the small values of heads whose range is small)
 
+A quantized format may be *rotated* (llama.cpp does it by default since 2026, PR #21038): each
+vector is multiplied by an orthonormal Hadamard matrix H before it is quantized and by H again
+after it is decoded (H·H = I). Rotation spreads a few large channels over all of them, so a block's
+scale no longer drowns its small values; attention sees the same numbers, less the rounding.
+
 A format turns vectors [..., D] into its storage tensors ([..., D] codes, [..., D / 32] scales, ...)
 and back. The caches allocate each storage tensor with their own leading dimensions, quantize on
 write and dequantize on read; `tensors()` lists the scales too, so block copies and zeroing move a
@@ -20,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvlab.config.engine import KV_CACHE_DTYPES
+from kvlab.config.engine import KV_CACHE_DTYPES, KV_ROTATIONS
 from kvlab.errors import KvlabError
 
 QBLOCK = 32
@@ -137,6 +142,55 @@ class FP8E4M3(KVFormat):
         return (q.view(torch.float8_e4m3fn).float() * s).to(dtype)
 
 
+def hadamard_size(head_dim: int) -> int:
+    """The rotation's block: the largest power of two dividing head_dim (H is block-diagonal past it)."""
+    return head_dim & -head_dim
+
+
+def hadamard(x: torch.Tensor) -> torch.Tensor:
+    """x [..., D] · H in float32: the fast Walsh–Hadamard transform on each block of hadamard_size(D)
+    values, then × 1/√n. H is Sylvester's matrix / √n: orthonormal and symmetric, so H·H = I. Done as
+    butterflies rather than a matmul, each vector's result is the same bits whatever the batch's shape."""
+    D = x.shape[-1]
+    n = hadamard_size(D)
+    y = x.float().reshape(-1, D // n, n)
+    h = 1
+    while h < n:
+        pairs = y.view(y.shape[0], D // n, n // (2 * h), 2, h)
+        a, b = pairs[..., 0, :], pairs[..., 1, :]
+        y = torch.stack((a + b, a - b), dim=-2).view(y.shape)
+        h *= 2
+    return (y * torch.tensor(n**-0.5, dtype=torch.float32)).view(x.shape)
+
+
+@dataclass(frozen=True)
+class Rotated(KVFormat):
+    """`base`'s storage of the vector rotated by H: encode x·H, decode (x·H)·H = x."""
+
+    base: KVFormat = None
+
+    def storage(self, head_dim):
+        return self.base.storage(head_dim)
+
+    def encode(self, x):
+        return self.base.encode(hadamard(x))
+
+    def decode(self, parts, dtype):
+        return hadamard(self.base.decode(parts, torch.float32)).to(dtype)
+
+    @property
+    def is_quantized(self) -> bool:
+        return self.base.is_quantized
+
+
+def rotated(f: KVFormat) -> Rotated:
+    return f if isinstance(f, Rotated) else Rotated(f.name, f)
+
+
+def unrotated(f: KVFormat) -> KVFormat:
+    return f.base if isinstance(f, Rotated) else f
+
+
 KV_FORMATS: dict[str, KVFormat] = {
     "float32": FloatFormat("float32", torch.float32),
     "bfloat16": FloatFormat("bfloat16", torch.bfloat16),
@@ -169,18 +223,36 @@ class KVFormats:
     v: KVFormat
 
     @classmethod
-    def resolve(cls, kv_cache_dtype=None, cache_type_k=None, cache_type_v=None, model_dtype=torch.float32) -> KVFormats:
-        """--cache-type-k / -v where given, else --kv-cache-dtype for both, else the activations' dtype."""
-        return cls(kv_format(cache_type_k or kv_cache_dtype, model_dtype),
-                   kv_format(cache_type_v or kv_cache_dtype, model_dtype))  # fmt: skip
+    def resolve(cls, kv_cache_dtype=None, cache_type_k=None, cache_type_v=None, model_dtype=torch.float32,
+                rotation: str | bool = "auto") -> KVFormats:  # fmt: skip
+        """--cache-type-k / -v where given, else --kv-cache-dtype for both, else the activations' dtype;
+        keys and values both rotated when either is quantized ('auto'), always ('on') or never ('off')."""
+        k = kv_format(cache_type_k or kv_cache_dtype, model_dtype)
+        v = kv_format(cache_type_v or kv_cache_dtype, model_dtype)
+        mode = {True: "on", False: "off"}.get(rotation, str(rotation).strip().lower())
+        if mode not in KV_ROTATIONS:
+            raise KvlabError(f"unknown KV rotation {rotation!r}: choose one of {', '.join(KV_ROTATIONS)}")
+        if mode == "on" or (mode == "auto" and (k.is_quantized or v.is_quantized)):
+            return cls(rotated(k), rotated(v))
+        return cls(k, v)
 
     @classmethod
     def plain(cls, dtype: torch.dtype) -> KVFormats:
         return cls.resolve(model_dtype=dtype)
 
     @property
+    def rotate(self) -> bool:
+        """Keys and values are stored rotated by H (attention may rotate q and its output instead)."""
+        return isinstance(self.k, Rotated) and isinstance(self.v, Rotated)
+
+    @property
     def name(self) -> str:
-        return self.k.name if self.k == self.v else f"K {self.k.name}, V {self.v.name}"
+        """'q8_0', 'K q8_0, V q4_0': the formats as --kv-cache-dtype / --cache-type-k/-v name them."""
+        return self.k.name if self.k.name == self.v.name else f"K {self.k.name}, V {self.v.name}"
+
+    @property
+    def description(self) -> str:
+        return self.name + (", rotated" if self.rotate else "")
 
     @property
     def is_quantized(self) -> bool:

@@ -82,7 +82,8 @@ def plan_kv_pool(
     if block_size < 1:
         raise KvlabError(f"--block-size must be at least 1, got {block_size}")
     layout = KVLayout.for_model(model, windowed=config.windowed_kv)
-    formats = KVFormats.resolve(config.kv_cache_dtype, config.cache_type_k, config.cache_type_v, dtype)
+    formats = KVFormats.resolve(config.kv_cache_dtype, config.cache_type_k, config.cache_type_v, dtype,
+                                config.kv_rotation)
     per_token = cache_cls.bytes_per_token_for(model, dtype, formats)
     per_block = cache_cls.bytes_per_block_for(model, dtype, block_size, layout, formats)
     # a sequence at full context in its largest step: a sliding group's window plus a whole chunk

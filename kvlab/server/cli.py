@@ -239,7 +239,25 @@ def print_plan(args, options: dict, file=None):
           f"{plan.num_tokens:,} tokens, {plan.bytes_per_token:,} B per token ({plan.source})", file=file)  # fmt: skip
     print(f"  max concurrency    {plan.max_concurrency(max_len):12.1f}   sequences at the full {max_len:,}-token context "
           f"(more when shorter; a shared prefix is stored once)", file=file, flush=True)  # fmt: skip
+    if plan.formats.is_quantized:
+        # the same bytes in 16-bit floats: what the quantized format buys
+        half = dict(options, kv_cache_dtype="float16", cache_type_k=None, cache_type_v=None, kv_memory_bytes=plan.nbytes)
+        plan16 = plan_kv_pool(EngineConfig(max_model_len=args.max_model_len, **half), config, dtype, torch.device(args.device))
+        print(f"  KV format          {plan.formats.description}: {plan.num_tokens / plan16.num_tokens:.2f}× the tokens of "
+              f"float16 in these bytes ({plan.num_tokens:,} vs {plan16.num_tokens:,}; "
+              f"{plan.max_concurrency(max_len):.1f} vs {plan16.max_concurrency(max_len):.1f} full-context sequences)",
+              file=file, flush=True)  # fmt: skip
+    note = quality_advice(args, path, plan.formats)
+    if note:
+        print(note, file=file, flush=True)
     return plan, weights
+
+
+def quality_advice(args, path, formats) -> str | None:
+    """`kvlab quality`'s verdict on a lossy setting for this model, as one line (None when nothing to say)."""
+    from kvlab.quality.store import advice
+
+    return advice(str(args.model), path, formats, getattr(args, "dequantize", False), getattr(args, "quantization", None))
 
 
 def print_measured(llm, plan, planned_weights: int | None, file=None) -> None:
