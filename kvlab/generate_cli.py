@@ -80,8 +80,8 @@ def add_kv_cache_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--cache-type-k", choices=KV_CACHE_DTYPES[1:], help="keys only (overrides --kv-cache-dtype)")
     g.add_argument("--cache-type-v", choices=KV_CACHE_DTYPES[1:], help="values only (overrides --kv-cache-dtype)")
     g.add_argument("--kv-rotation", default="auto", choices=KV_ROTATIONS,
-                   help="Hadamard-rotate keys and values before quantizing them, as llama.cpp does; auto: on for "
-                        "a quantized cache (default auto)")  # fmt: skip
+                   help="Hadamard-rotate keys and values before quantizing them (llama.cpp's default); auto: "
+                        "each side stored as q8_0 or q4_0, not fp8 (measured worse rotated) (default auto)")  # fmt: skip
 
 
 def engine_options(args) -> dict:

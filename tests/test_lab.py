@@ -24,6 +24,7 @@ from kvlab.lab.common import measure
 from kvlab.lab.context import ContextResult
 from kvlab.lab.dtype import DtypeResult
 from kvlab.lab.kv_verify import KvVerifyResult
+from kvlab.lab.kv_dtype import KVDtypeResult
 from kvlab.lab.phases import PhasesResult
 from kvlab.lab.plots import PLOTS, nice_log_ticks
 from kvlab.lab.report import verdict_text
@@ -32,7 +33,7 @@ from kvlab.lab.roofline import RooflineResult
 RESULT_TYPES = {
     "phases": PhasesResult, "cache": CacheResult, "roofline": RooflineResult, "dtype": DtypeResult,
     "bits": BitsResult, "context": ContextResult, "attention": AttentionResult, "batching": BatchingResult,
-    "kv-verify": KvVerifyResult,
+    "kv-verify": KvVerifyResult, "kv-dtype": KVDtypeResult,
 }  # fmt: skip
 QUICK = ["--quick", "--threads", "1", "--repeat", "2", "--no-progress"]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -97,6 +98,13 @@ def test_structural_checks_hold(lab_run):
     assert bits["q8_0"]["weight_format"] == "q8_0 (quantized at load)"
     assert 8.5 <= bits["q8_0"]["bits_per_weight"] < 9.5 and 4.5 <= bits["q4_0"]["bits_per_weight"] < 5.5
     assert [p["tokens"] for p in exp["batching"]["passes"]] == [1, 2, 4, 8, 16, 32]
+    kvd = {p["label"]: p for p in exp["kv-dtype"]["points"]}  # head_dim 16: no q8_0 / q4_0 blocks
+    assert list(kvd) == ["float32", "bfloat16", "float16", "fp8_e4m3"]
+    assert kvd["float32"]["mean_kld"] == 0 and kvd["float32"]["same_top_p"] == 1.0
+    assert kvd["bfloat16"]["bytes_per_token"] * 2 == kvd["float32"]["bytes_per_token"]
+    assert kvd["fp8_e4m3"]["max_sequences"] > kvd["float16"]["max_sequences"] > kvd["float32"]["max_sequences"]
+    assert 0 < kvd["bfloat16"]["mean_kld"] and all(p["decode_tok_s"] > 0 for p in kvd.values())
+    assert any("q8_0 skipped" in n for n in exp["kv-dtype"]["notes"])
 
 
 def test_report_rerenders_from_results_alone(lab_run, tmp_path, capsys):

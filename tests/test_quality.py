@@ -89,10 +89,13 @@ def test_rotation_spreads_an_outlier_so_q8_0_keeps_the_small_values():
     assert rot.bytes_per_vector(128) == plain.bytes_per_vector(128)  # the same bytes
 
 
-def test_rotation_is_on_for_quantized_caches_unless_turned_off():
-    assert KVFormats.resolve("q8_0").rotate and KVFormats.resolve(cache_type_v="q4_0").rotate
+def test_rotation_is_on_for_block_formats_unless_turned_off():
+    assert KVFormats.resolve("q8_0").rotate_k and KVFormats.resolve("q4_0").rotate_v
+    mixed = KVFormats.resolve(cache_type_k="q8_0", cache_type_v="fp8_e4m3")
+    assert mixed.rotate_k and not mixed.rotate_v and mixed.description == "K q8_0, V fp8_e4m3, K rotated"
+    assert not KVFormats.resolve("fp8_e4m3").rotate and KVFormats.resolve("fp8_e4m3", rotation="on").rotate_k
     assert not KVFormats.resolve("q8_0", rotation="off").rotate
-    assert not KVFormats.resolve("bfloat16").rotate and KVFormats.resolve("bfloat16", rotation="on").rotate
+    assert not KVFormats.resolve("bfloat16").rotate and KVFormats.resolve("bfloat16", rotation="on").rotate_v
     assert KVFormats.resolve("q8_0").description == "q8_0, rotated"
     with pytest.raises(Exception, match="auto, on, off"):
         KVFormats.resolve("q8_0", rotation="sideways")
@@ -141,6 +144,7 @@ def test_advice_warns_about_unsafe_and_says_how_to_measure_the_unmeasured(home, 
     assert "not been measured" in note and "kvlab quality m --kv-cache-dtype q4_0" in note
     note = store.advice("m", model, KVFormats.resolve("q8_0", cache_type_v="q4_0", rotation="off"))
     assert "--cache-type-k q8_0 --cache-type-v q4_0 --kv-rotation off" in note
+    assert "--kv-rotation" not in store.advice("m", model, KVFormats.resolve("fp8_e4m3"))  # the default
     _keep(model, q4, "unsafe")
     assert store.advice("m", model, q4).startswith("warning: q4_0, rotated measured unsafe")
     assert "not been measured" in store.advice("m", model, KVFormats.resolve("q4_0", rotation="off"))

@@ -9,7 +9,7 @@ from kvlab.errors import KvlabError
 
 # --kv-cache-dtype's choices (kv/formats.py stores each; "auto" is the activations' dtype)
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8_e4m3", "q8_0", "q4_0")
-KV_ROTATIONS = ("auto", "on", "off")  # auto: rotate when keys or values are quantized (llama.cpp's default)
+KV_ROTATIONS = ("auto", "on", "off")  # auto: rotate q8_0 / q4_0 sides (kv/formats.py)
 
 
 @dataclass(frozen=True)

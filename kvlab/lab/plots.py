@@ -242,5 +242,28 @@ def batching(plt, data):
     return fig
 
 
+def kv_dtype(plt, data):
+    """Per KV format: bytes per token, decode speed at the long context, and KL divergence (log)."""
+    pts = data["points"]
+    names = [p["label"] for p in pts]
+    fig, axes = plt.subplots(1, 3, figsize=(12, 4.2), sharey=True)
+    ys = range(len(pts))
+    colors = ["C2" if p["verdict"] == "ok" else "C1" if p["verdict"] == "caution" else "C3" for p in pts]
+    axes[0].barh(ys, [p["bytes_per_token"] / 1e3 for p in pts], color="0.55")
+    axes[0].set(xlabel="KV bytes per token (kB)", title="memory")
+    axes[0].set_yticks(list(ys), names, fontsize=8)
+    axes[0].invert_yaxis()
+    mids = [p["decode_tok_s"] for p in pts]
+    err = [[m - 1 / p["decode_step"]["max_s"] for m, p in zip(mids, pts)],
+           [1 / p["decode_step"]["min_s"] - m for m, p in zip(mids, pts)]]  # fmt: skip
+    axes[1].barh(ys, mids, xerr=err, capsize=3, color="C0")
+    axes[1].set(xlabel="decode tokens per second", title=f"decode at {data['context']:,} tokens of context")
+    axes[2].barh(ys, [max(p["mean_kld"], 1e-7) for p in pts], color=colors)
+    axes[2].set(xscale="log", xlabel="mean KL divergence vs float32 KV (log)",
+                title="quality (green ok, orange caution, red unsafe)")  # fmt: skip
+    axes[2].axvline(0.005, color="0.4", linestyle="--", linewidth=0.8)
+    return fig
+
+
 PLOTS = {"phases": phases, "cache": cache, "roofline": roofline, "dtype": dtype, "bits": bits, "context": context,
-         "attention": attention, "batching": batching}  # fmt: skip
+         "attention": attention, "batching": batching, "kv-dtype": kv_dtype}  # fmt: skip

@@ -73,7 +73,7 @@ def verdict_text(module, data: dict, quick: bool) -> str:
     text = module.verdict(data)
     if not quick:
         return text
-    for word in ("Held", "Partly held", "Did not hold"):  # every verdict starts with held()
+    for word in ("Held", "Partly held", "Did not hold", "Not judged"):  # held(), or an experiment that cannot judge
         if text.startswith(word + ":"):
             return NOT_JUDGED + text[len(word) :]
     return text

@@ -103,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
 
     result = measure(reference, [candidate], ids, window=window, chunk=args.chunk, bos=bos, progress=progress)[0]
     record = {**result.to_dict(), "model": str(args.model), "text": what, "window": window,
-              "kv_k": formats.k.name, "kv_v": formats.v.name, "kv_rotation": formats.rotate, "weights": weights, "dtype": args.dtype}  # fmt: skip
+              "kv_k": formats.k.name, "kv_v": formats.v.name, "kv_rotation": [formats.rotate_k, formats.rotate_v], "weights": weights, "dtype": args.dtype}  # fmt: skip
     kept = None
     if not args.no_save:
         kept = store.save(ref_loaded.path, store.setting_key(formats, weights), ids_digest(ids), record)

@@ -29,8 +29,9 @@ def _fmt(f: KVFormat) -> str:
 
 
 def setting_key(formats: KVFormats, weights: str) -> str:
-    rotation = ", rotated" if formats.rotate and formats.is_quantized else ""
-    return f"K {_fmt(formats.k)} V {_fmt(formats.v)}{rotation}, weights {weights}"
+    k = _fmt(formats.k) + (" rotated" if formats.rotate_k and formats.k.is_quantized else "")
+    v = _fmt(formats.v) + (" rotated" if formats.rotate_v and formats.v.is_quantized else "")
+    return f"K {k} V {v}, weights {weights}"
 
 
 def _model_file(model_path: Path) -> Path:
@@ -81,8 +82,9 @@ def advice(model_arg: str, model_path: Path, formats: KVFormats, dequantize=Fals
     if found is None:
         flags = (f"--cache-type-k {formats.k.name} --cache-type-v {formats.v.name}" if formats.k.name != formats.v.name
                  else f"--kv-cache-dtype {formats.k.name}")  # fmt: skip
-        if formats.is_quantized and not formats.rotate:
-            flags += " --kv-rotation off"
+        default = KVFormats.resolve(cache_type_k=formats.k.name, cache_type_v=formats.v.name)
+        if (formats.rotate_k, formats.rotate_v) != (default.rotate_k, default.rotate_v):
+            flags += " --kv-rotation " + ("off" if not formats.rotate else "on")
         if quantization:
             flags += f" --quantization {quantization}"
         return (f"note: the quality of {what} on this model has not been measured; "
