@@ -3,6 +3,8 @@ prefix hits and preemption, and the bytes allocated against `kvlab mem`, for eve
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -151,3 +153,25 @@ def test_kvlab_mem_sizes_keys_and_values_apart_and_per_rank(capsys):
     per_rank = json.loads(capsys.readouterr().out)["kv_bytes"]
     rank = ContiguousKVCache.for_model(shard_config(config, 2), 8192, formats=KVFormats.resolve("q8_0"), device="meta")
     assert per_rank == rank.nbytes() == kv_bytes(config, 8192, kv_dtype="q8_0") // 2
+
+
+@pytest.mark.parametrize("name, least", [("q8_0", 1.8), ("q4_0", 3.4), ("fp8_e4m3", 1.7)])  # fp8: 36 B per 32-number vector
+def test_the_servers_plan_says_how_many_more_tokens_than_float16(tmp_path, capsys, name, least):
+    from kvlab.cli import build_parser
+    from kvlab.generate_cli import check_model_args, engine_options
+    from kvlab.server.cli import print_plan
+
+    model = build_tiny("qwen3", tmp_path)
+    serve = ["serve", str(model), "--kv-memory", "4MiB", "--max-model-len", "256", "--dtype", "float32"]
+    plans = {}
+    for dtype in (name, "float16"):
+        args = build_parser().parse_args(serve + ["--kv-cache-dtype", dtype])
+        check_model_args(args)
+        plans[dtype] = print_plan(args, engine_options(args))[0]
+    err = capsys.readouterr().err
+    assert plans[name].num_tokens / plans["float16"].num_tokens >= least and plans[name].nbytes <= 4 << 20
+    line = next(line for line in err.splitlines() if "the tokens of float16 in these bytes" in line)
+    gain, theirs = re.search(r"([\d.]+)× the tokens.*\([\d,]+ vs ([\d,]+);", line).groups()
+    assert float(gain) >= least and f"({plans[name].num_tokens:,} vs" in line
+    assert abs(int(theirs.replace(",", "")) - plans["float16"].num_tokens) <= plans["float16"].block_size
+    assert "has not been measured" in err  # and how to measure it
