@@ -159,3 +159,23 @@ def test_kvlab_run_prints_the_kept_verdict(capsys, tiny_chat_model, home):
     code = main(["run", str(tiny_chat_model), "Hi", "--max-tokens", "2", "--quantization", "q8_0"])
     err = capsys.readouterr().err
     assert "has not been measured" in err and "--quantization q8_0" in err
+
+
+def test_the_python_api_takes_the_kv_settings(tiny_chat_model):
+    from kvlab import LLM, SamplingParams
+
+    greedy = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    plain = LLM(tiny_chat_model).generate(["The cat"], greedy)[0].outputs[0].token_ids
+    llm = LLM(tiny_chat_model, kv_cache_dtype="fp8_e4m3", kv_rotation="on")
+    assert llm.engine.pool_plan.formats.description == "fp8_e4m3, rotated"
+    assert len(llm.generate(["The cat"], greedy)[0].outputs[0].token_ids) == len(plain) == 6
+    half = LLM(tiny_chat_model, cache_type_k="float32", cache_type_v="bfloat16")
+    assert half.engine.pool_plan.formats.name == "K float32, V bfloat16"
+
+
+def test_fp8_where_torch_lacks_it_is_one_clear_error(monkeypatch):
+    from kvlab.errors import KvlabError
+
+    monkeypatch.delattr(torch, "float8_e4m3fn")
+    with pytest.raises(KvlabError, match="lacks"):
+        kv_format("fp8_e4m3", torch.float32)

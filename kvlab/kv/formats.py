@@ -222,6 +222,9 @@ def kv_format(name: str | None, model_dtype: torch.dtype) -> KVFormat:
         return next(f for f in KV_FORMATS.values() if isinstance(f, FloatFormat) and f.dtype == model_dtype)
     if key not in KV_FORMATS:
         raise KvlabError(f"unknown KV cache dtype {name!r}: choose one of {', '.join(KV_CACHE_DTYPES)}")
+    if key == "fp8_e4m3" and not hasattr(torch, "float8_e4m3fn"):
+        raise KvlabError(f"--kv-cache-dtype fp8_e4m3 needs torch's float8_e4m3fn, which torch {torch.__version__} "
+                         "lacks (2.1 or newer has it): use q8_0, the same bytes within 6%")  # fmt: skip
     return KV_FORMATS[key]
 
 
