@@ -14,9 +14,10 @@ GEMMA3_WINDOW = 20  # tokens: shorter than the tests' longer prompts, longer tha
 GEMMA3_LAYERS = ["sliding_attention"] * 5 + ["full_attention"]  # llama.cpp's 5:1 pattern (layer 5 is global)
 
 
-def build_tiny(kind: str, directory: Path, seed: int = 0, **gemma3) -> Path:
+def build_tiny(kind: str, directory: Path, seed: int = 0, head_dim: int | None = None, **gemma3) -> Path:
     """Save a tiny random model of `kind` (see ARCHS) as safetensors in `directory`; return it.
 
+    `head_dim`: the heads' size where not hidden / heads (a quantized KV cache needs blocks of 32).
     `gemma3` options (kind "gemma3"): `window` (GEMMA3_WINDOW) and `layer_types` (GEMMA3_LAYERS).
     """
     import transformers
@@ -66,6 +67,8 @@ def build_tiny(kind: str, directory: Path, seed: int = 0, **gemma3) -> Path:
         )  # fmt: skip
     else:
         raise ValueError(kind)
+    if head_dim is not None:
+        common["head_dim"] = head_dim
     torch.manual_seed(seed)
     model = cls(config_cls(**common)).eval()
     with torch.no_grad():  # random biases, so that the q/k/v bias path is exercised

@@ -1,19 +1,29 @@
-// One decoder layer of a decode step in one call: B sequences, one new token each, float32.
+// One decoder layer of a decode step in one call: B sequences, one new token each, float32
+// activations, the KV cache in any of its storage formats (kvlab/kv/formats.py).
 //
 // A decode step of a small model is a few hundred small operations; run one by one from Python each
 // costs microseconds of dispatch, which with 4-bit weights is more than the products themselves take.
 // Here a layer is: RMSNorm, the fused q/k/v product (+ bias), per-head q/k RMSNorm (Qwen3), the
-// rotation, the new K and V written into the paged cache through their slots, attention over every
-// cached key of each sequence (read through its block table), the o product and the residual, then
-// RMSNorm, the fused gate/up product, SiLU(gate)·up, the down product and the residual.
+// rotation, the new K and V written into the paged cache through their slots (quantized there into
+// the cache's format), attention over every cached key of each sequence (read through its block
+// table, straight from the stored codes), the o product and the residual, then RMSNorm, the fused
+// gate/up product, SiLU(gate)·up, the down product and the residual.
 //
 // The products are the library's own kernels (gemv.c for float matrices, quant.c for block formats,
 // on the pool), so they give the same bits as the layer-by-layer path; RMSNorm and the rotation too
 // (the same C functions). Attention and SiLU are computed here in float32: the same values as
-// PyTorch's up to the order of sums and the exp implementation.
+// PyTorch's up to the order of sums and the exp implementation. A quantized key or value is decoded
+// here to the very floats formats.py's `decode` gives (code × scale, one rounding at most), one row at
+// a time into registers / L1, never into a float copy of the cache.
 //
-// Layout of the paged cache (kv/paged.py): k[block, offset, kv_head, d], v alike; token p of a
-// sequence is in block table[p / block_size] at offset p % block_size.
+// Layout of the paged cache (kv/paged.py): each storage tensor is [block, offset, kv_head, ...]; token
+// p of a sequence is in block table[p / block_size] at offset p % block_size, its vector for kv head g
+// is number (slot · kv_heads + g) of every storage tensor of the layer.
+//
+// With `rotate` (KVFormats.rotate), K and V are stored multiplied by H = Hadamard(D) / sqrt(D)
+// (Sylvester's, symmetric, H·H = I): new k (after RoPE) and v are rotated before they are quantized,
+// q is rotated before scoring ((qH)·(kH) = q·k), and each head's output, a sum of rotated values, is
+// rotated back once. H is applied as a fast Walsh–Hadamard transform, D log D adds.
 
 #include <math.h>
 #include <stdint.h>
@@ -62,10 +72,231 @@ typedef struct {
     Linear qkv, o, gate_up, down;
 } Layer;
 
+// ---- the KV cache's storage formats (kvlab/kv/formats.py) --------------------------------------
+//
+//   KV_F32   D floats
+//   KV_Q8_0  D int8 codes; D / 32 fp16 scales d = max|x| / 127;   x ≈ d · q
+//   KV_Q4_0  D / 2 bytes (per 32 values 16 bytes: byte j holds value j low, value j + 16 high); D / 32
+//            fp16 scales d = x_m / −8 (x_m the value of largest |x|);   x ≈ d · (q − 8)
+//   KV_FP8   D float8 e4m3 codes (as bytes); one float32 scale s = max|x| / 448;   x ≈ s · e4m3(q)
+//
+// Codes and scales are separate tensors with the same leading dimensions: vector number `vec` has its
+// codes at codes + vec · (bytes of one vector's codes) and its scales at scales + vec · (scales each).
+
+enum { KV_F32 = 0, KV_Q8_0 = 1, KV_Q4_0 = 2, KV_FP8 = 3 };
+#define QK 32                // values per q8_0 / q4_0 block
+#define MAX_HEAD_DIM 512     // the row buffers of attention (decode.py checks head_dim)
+
+typedef struct {
+    int32_t fmt;   // KV_*
+    void* codes;   // [num_blocks, block_size, kv_heads, one vector's codes]
+    void* scales;  // [..., D / 32] fp16 (q8_0, q4_0), [..., 1] float32 (fp8_e4m3), NULL (float32)
+} KVStore;
+
+typedef float v8f __attribute__((vector_size(32)));
+
+static inline v8f load8(const float* p) {
+    v8f v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline void store8(float* p, v8f v) { memcpy(p, &v, sizeof v); }
+
+static inline float hsum8(v8f v) { return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7])); }
+
+static inline float as_float(uint32_t bits) {
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+static inline uint32_t as_bits(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, 4);
+    return bits;
+}
+
+// -- writing: one vector of D floats into its format, bit for bit what formats.py's `encode` stores.
+// PyTorch rounds each operation on its own (x · inv, then + 8.5), so no multiply-add may be fused here.
+
+#if defined(__GNUC__) && !defined(__clang__)
+#define SEPARATE_ROUNDINGS __attribute__((optimize("fp-contract=off")))
+#else
+#define SEPARATE_ROUNDINGS
+#endif
+
+// float → float8 e4m3fn, rounded to nearest even, as PyTorch converts (c10's fp8e4m3fn_from_fp32_value):
+// 480 and beyond become NaN (0x7F), the encoder's values never exceed 448 by more than a rounding
+static uint8_t fp8_e4m3_from_float(float f) {
+    uint32_t bits = as_bits(f);
+    const uint32_t sign = bits & 0x80000000u;
+    bits ^= sign;
+    uint8_t code;
+    if (bits >= (1087u << 20)) {  // |f| ≥ 480 (or NaN)
+        code = 0x7F;
+    } else if (bits < (121u << 23)) {  // |f| < 2^-6: a subnormal code: + 2^14 (ulp 2^-9, their step) rounds it
+        const uint32_t magic = 141u << 23;
+        code = (uint8_t)(as_bits(as_float(bits) + as_float(magic)) - magic);
+    } else {  // normal: rebias the exponent, round the 20 dropped mantissa bits to nearest even
+        const uint32_t odd = (bits >> 20) & 1;
+        bits += ((uint32_t)(7 - 127) << 23) + 0x7FFFF + odd;
+        code = (uint8_t)(bits >> 20);
+    }
+    return code | (uint8_t)(sign >> 24);
+}
+
+SEPARATE_ROUNDINGS static void encode_vector(const KVStore* s, const float* x, int64_t vec, int64_t D) {
+#ifdef __clang__
+#pragma clang fp contract(off)
+#endif
+    if (s->fmt == KV_F32) {
+        memcpy((float*)s->codes + vec * D, x, D * sizeof(float));
+    } else if (s->fmt == KV_Q8_0) {
+        int8_t* q = (int8_t*)s->codes + vec * D;
+        _Float16* scales = (_Float16*)s->scales + vec * (D / QK);
+        for (int64_t b = 0; b < D / QK; b++) {
+            const float* xb = x + b * QK;
+            float amax = 0.0f;
+            for (int i = 0; i < QK; i++) amax = fmaxf(amax, fabsf(xb[i]));
+            const _Float16 d = (_Float16)(amax / 127.0f);  // the scale as stored: codes are made with it
+            const float inv = (float)d == 0.0f ? 0.0f : 1.0f / (float)d;
+            for (int i = 0; i < QK; i++) {
+                float v = nearbyintf(xb[i] * inv);  // torch.round: half to even
+                v = v < -127.0f ? -127.0f : v > 127.0f ? 127.0f : v;
+                q[b * QK + i] = (int8_t)v;
+            }
+            scales[b] = d;
+        }
+    } else if (s->fmt == KV_Q4_0) {
+        uint8_t* packed = (uint8_t*)s->codes + vec * (D / 2);
+        _Float16* scales = (_Float16*)s->scales + vec * (D / QK);
+        for (int64_t b = 0; b < D / QK; b++) {
+            const float* xb = x + b * QK;
+            int at = 0;  // the first value of largest |x| (torch.argmax)
+            for (int i = 1; i < QK; i++)
+                if (fabsf(xb[i]) > fabsf(xb[at])) at = i;
+            const _Float16 d = (_Float16)(xb[at] / -8.0f);
+            const float inv = (float)d == 0.0f ? 0.0f : 1.0f / (float)d;
+            uint8_t q[QK];
+            for (int i = 0; i < QK; i++) {
+                float v = xb[i] * inv;
+                v = v + 8.5f;
+                v = truncf(v);
+                v = v < 0.0f ? 0.0f : v > 15.0f ? 15.0f : v;
+                q[i] = (uint8_t)v;
+            }
+            for (int j = 0; j < QK / 2; j++) packed[b * (QK / 2) + j] = q[j] | (uint8_t)(q[j + QK / 2] << 4);
+            scales[b] = d;
+        }
+    } else {  // KV_FP8
+        uint8_t* q = (uint8_t*)s->codes + vec * D;
+        float amax = 0.0f;
+        for (int64_t i = 0; i < D; i++) amax = fmaxf(amax, fabsf(x[i]));
+        float scale = amax / 448.0f;
+        if (scale == 0.0f) scale = 1.0f;
+        for (int64_t i = 0; i < D; i++) q[i] = fp8_e4m3_from_float(x[i] / scale);
+        ((float*)s->scales)[vec] = scale;
+    }
+}
+
+// -- reading: one stored vector as D floats, the very values formats.py's `decode` gives (code × scale
+// rounded once), into `buf` (a row in L1; the cache itself is never copied). A float32 row is returned
+// where it lies.
+
+#if defined(__F16C__)
+#include <immintrin.h>
+// 8 e4m3 codes → their values / 256: the 7 bits below the sign are an fp16's exponent (bias 15, not 7)
+// and top mantissa bits, subnormals included, so one fp16 conversion decodes them exactly
+static inline v8f fp8x8_over_256(const uint8_t* c) {
+    const __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i*)c));
+    const __m128i sign = _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x80)), 8);
+    const __m128i rest = _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x7F)), 7);
+    return (v8f)_mm256_cvtph_ps(_mm_or_si128(sign, rest));
+}
+#endif
+
+static float fp8_value(uint8_t code) {  // e4m3fn: 4 exponent bits (bias 7), 3 mantissa bits
+    const int e = (code >> 3) & 0xF, m = code & 7;
+    const float v = e ? ldexpf((float)(8 + m), e - 10) : ldexpf((float)m, -9);
+    return code & 0x80 ? -v : v;
+}
+
+static inline const float* decode_vector(const KVStore* s, int64_t vec, int64_t D, float* buf) {
+    if (s->fmt == KV_F32) return (const float*)s->codes + vec * D;
+    if (s->fmt == KV_Q8_0) {
+        const int8_t* q = (const int8_t*)s->codes + vec * D;
+        const _Float16* scales = (const _Float16*)s->scales + vec * (D / QK);
+        for (int64_t b = 0; b < D / QK; b++) {
+            const float d = (float)scales[b];
+            for (int i = 0; i < QK; i++) buf[b * QK + i] = (float)q[b * QK + i] * d;
+        }
+    } else if (s->fmt == KV_Q4_0) {
+        const uint8_t* packed = (const uint8_t*)s->codes + vec * (D / 2);
+        const _Float16* scales = (const _Float16*)s->scales + vec * (D / QK);
+        for (int64_t b = 0; b < D / QK; b++) {
+            const float d = (float)scales[b];
+            const uint8_t* p = packed + b * (QK / 2);
+            float* out = buf + b * QK;
+            for (int j = 0; j < QK / 2; j++) {
+                out[j] = (float)((int)(p[j] & 0x0F) - 8) * d;
+                out[j + QK / 2] = (float)((int)(p[j] >> 4) - 8) * d;
+            }
+        }
+    } else {  // KV_FP8
+        const uint8_t* q = (const uint8_t*)s->codes + vec * D;
+        const float scale = ((const float*)s->scales)[vec];
+        int64_t i = 0;
+#if defined(__F16C__)
+        const float scale256 = scale * 256.0f;  // exact: (value / 256) · (256 · s) rounds as value · s does
+        for (; i + 8 <= D; i += 8) store8(buf + i, fp8x8_over_256(q + i) * scale256);
+#endif
+        for (; i < D; i++) buf[i] = fp8_value(q[i]) * scale;
+    }
+    return buf;
+}
+
+// -- the Hadamard rotation: x ← x · H, H = Sylvester's Hadamard(D) / sqrt(D), D a power of two.
+// The fast Walsh–Hadamard transform: log2 D rounds of butterflies (a, b) → (a + b, a − b).
+
+static void hadamard(float* x, int64_t D) {
+    for (int64_t h = 1; h < D; h *= 2)
+        for (int64_t i = 0; i < D; i += 2 * h)
+            for (int64_t j = i; j < i + h; j++) {
+                const float a = x[j], b = x[j + h];
+                x[j] = a + b;
+                x[j + h] = a - b;
+            }
+    const float norm = 1.0f / sqrtf((float)D);
+    for (int64_t i = 0; i < D; i++) x[i] *= norm;
+}
+
+// -- the same functions for the tests (tests/test_fused_decode_kv.py): `vectors` vectors of D values,
+// contiguous; codes and scales as one layer's storage tensors of that many vectors
+
+int kvlab_kv_encode(int fmt, const float* x, int64_t vectors, int64_t D, void* codes, void* scales) {
+    if (fmt < KV_F32 || fmt > KV_FP8 || ((fmt == KV_Q8_0 || fmt == KV_Q4_0) && D % QK)) return -1;
+    const KVStore s = {fmt, codes, scales};
+    for (int64_t v = 0; v < vectors; v++) encode_vector(&s, x + v * D, v, D);
+    return 0;
+}
+
+int kvlab_kv_decode(int fmt, const void* codes, const void* scales, int64_t vectors, int64_t D, float* out) {
+    if (fmt < KV_F32 || fmt > KV_FP8 || ((fmt == KV_Q8_0 || fmt == KV_Q4_0) && D % QK) || D > MAX_HEAD_DIM) return -1;
+    const KVStore s = {fmt, (void*)codes, (void*)scales};
+    float buf[MAX_HEAD_DIM];
+    for (int64_t v = 0; v < vectors; v++) memcpy(out + v * D, decode_vector(&s, v, D, buf), D * sizeof(float));
+    return 0;
+}
+
+void kvlab_hadamard_f32(float* x, int64_t rows, int64_t D) {
+    for (int64_t r = 0; r < rows; r++) hadamard(x + r * D, D);
+}
+
 typedef struct {
     int64_t batch;                       // B sequences, one new token each
     const float *cos, *signed_sin;       // [B, head_dim]: each token's rotation (kvlab/model/rope.py)
-    float *k_cache, *v_cache;            // this layer's [num_blocks, block_size, kv_heads, head_dim]
+    KVStore k, v;                        // this layer's keys and values, each in its format
     int64_t block_size;
     const int64_t* slots;                // [B]: where each new token's K/V goes
     const int64_t* block_tables;         // [B, table_stride]
@@ -73,6 +304,7 @@ typedef struct {
     const int64_t* num_keys;             // [B]: keys each sequence sees, its new token included
     int64_t max_keys;
     float* scratch;                      // kvlab_decode_scratch_floats(...) floats
+    int32_t rotate;                      // K and V stored Hadamard-rotated (KVFormats.rotate)
 } Step;
 
 // Floats of scratch a step needs: qkv, attention output, a norm's output, gate/up, SiLU·up, and the
@@ -107,50 +339,81 @@ static void linear(const Linear* l, const float* x, float* y, int64_t m, int64_t
 }
 
 // ---- attention: one work item per (sequence, kv head), its query heads together ----------------
+//
+// The group's query heads share the kv head's keys and values: each cached row is decoded once and
+// used by all of them. Scores first (q · k / sqrt(D) for every key), then each head's softmax, then
+// the weighted sum of the values, rotated back when the cache holds rotated vectors.
 
 typedef struct {
     const Layer* layer;
     const Step* step;
-    const float* qkv;  // [B, (H + 2 Hkv) · D], q and k rotated
+    const float* qkv;  // [B, (H + 2 Hkv) · D], q and k rotated (RoPE; and Hadamard for q with `rotate`)
     float* out;        // [B, H · D]
     float* scores;     // [B · H, max_keys]
 } Attend;
+
+// a · b over D floats
+static inline float dot(const float* a, const float* b, int64_t D) {
+    v8f s0 = {0}, s1 = {0};
+    int64_t i = 0;
+    for (; i + 16 <= D; i += 16) {
+        s0 += load8(a + i) * load8(b + i);
+        s1 += load8(a + i + 8) * load8(b + i + 8);
+    }
+    for (; i + 8 <= D; i += 8) s0 += load8(a + i) * load8(b + i);
+    float s = hsum8(s0 + s1);
+    for (; i < D; i++) s += a[i] * b[i];
+    return s;
+}
+
+// o += p · v over D floats
+static inline void axpy(float* o, float p, const float* v, int64_t D) {
+    int64_t i = 0;
+    for (; i + 8 <= D; i += 8) store8(o + i, load8(o + i) + p * load8(v + i));
+    for (; i < D; i++) o[i] += p * v[i];
+}
 
 static void attend_items(void* ctx, uint32_t begin, uint32_t end) {
     const Attend* a = ctx;
     const Layer* L = a->layer;
     const Step* S = a->step;
     const int64_t D = L->head_dim, H = L->heads, Hkv = L->kv_heads, group = H / Hkv;
-    const int64_t qkv_row = (H + 2 * Hkv) * D, bs = S->block_size;
+    const int64_t qkv_row = (H + 2 * Hkv) * D, bs = S->block_size, stride = S->max_keys;
     const float scale = 1.0f / sqrtf((float)D);
+    float kbuf[MAX_HEAD_DIM], vbuf[MAX_HEAD_DIM];
     for (uint32_t item = begin; item < end; item++) {
         const int64_t b = item / Hkv, g = item % Hkv, n = S->num_keys[b];
         const int64_t* table = S->block_tables + b * S->table_stride;
+        const float* q = a->qkv + b * qkv_row + g * group * D;  // the group's query heads, one after another
+        float* scores = a->scores + (b * H + g * group) * stride;
+        float* out = a->out + b * H * D + g * group * D;
+
+        // scores: every key decoded once, dotted with each query head of the group
+        for (int64_t t = 0; t < n; t++) {
+            const int64_t vec = (table[t / bs] * bs + t % bs) * Hkv + g;
+            const float* k = decode_vector(&S->k, vec, D, kbuf);
+            for (int64_t j = 0; j < group; j++) scores[j * stride + t] = dot(q + j * D, k, D) * scale;
+        }
+        // softmax of each head's scores, in place: the weights of the values
         for (int64_t j = 0; j < group; j++) {
-            const int64_t h = g * group + j;
-            const float* q = a->qkv + b * qkv_row + h * D;
-            float* s = a->scores + (b * H + h) * S->max_keys;
-            float top = -INFINITY;
-            for (int64_t t = 0; t < n; t++) {
-                const float* k = S->k_cache + ((table[t / bs] * bs + t % bs) * Hkv + g) * D;
-                float dot = 0.0f;
-                for (int64_t i = 0; i < D; i++) dot += q[i] * k[i];
-                s[t] = dot * scale;
-                top = s[t] > top ? s[t] : top;
-            }
-            float sum = 0.0f;
+            float* s = scores + j * stride;
+            float top = -INFINITY, sum = 0.0f;
+            for (int64_t t = 0; t < n; t++) top = s[t] > top ? s[t] : top;
             for (int64_t t = 0; t < n; t++) {
                 s[t] = expf(s[t] - top);
                 sum += s[t];
             }
-            float* o = a->out + b * H * D + h * D;
-            memset(o, 0, D * sizeof(float));
-            for (int64_t t = 0; t < n; t++) {
-                const float* v = S->v_cache + ((table[t / bs] * bs + t % bs) * Hkv + g) * D;
-                const float p = s[t] / sum;
-                for (int64_t i = 0; i < D; i++) o[i] += p * v[i];
-            }
+            for (int64_t t = 0; t < n; t++) s[t] = s[t] / sum;
         }
+        // the weighted sum of the values: every value decoded once, added to each head's output
+        memset(out, 0, group * D * sizeof(float));
+        for (int64_t t = 0; t < n; t++) {
+            const int64_t vec = (table[t / bs] * bs + t % bs) * Hkv + g;
+            const float* v = decode_vector(&S->v, vec, D, vbuf);
+            for (int64_t j = 0; j < group; j++) axpy(out + j * D, scores[j * stride + t], v, D);
+        }
+        if (S->rotate)  // a sum of rotated values: rotated back (H · H = I)
+            for (int64_t j = 0; j < group; j++) hadamard(out + j * D, D);
     }
 }
 
@@ -177,10 +440,14 @@ void kvlab_decode_layer(const Layer* L, const Step* S, float* x, int threads) {
         }
     }
     kvlab_rope_f32(qkv, S->cos, S->signed_sin, B, H + Hkv, D, qkv_row);  // q heads, then k heads, per token
-    for (int64_t b = 0; b < B; b++) {  // the new token's K and V into its slot
+    if (S->rotate)  // q, k and v of every head into the Hadamard basis the cache is stored in
+        kvlab_hadamard_f32(qkv, B * (H + 2 * Hkv), D);
+    for (int64_t b = 0; b < B; b++) {  // the new token's K and V into its slot, in the cache's formats
         const float* row = qkv + b * qkv_row;
-        memcpy(S->k_cache + S->slots[b] * Hkv * D, row + H * D, Hkv * D * sizeof(float));
-        memcpy(S->v_cache + S->slots[b] * Hkv * D, row + (H + Hkv) * D, Hkv * D * sizeof(float));
+        for (int64_t g = 0; g < Hkv; g++) {
+            encode_vector(&S->k, row + (H + g) * D, S->slots[b] * Hkv + g, D);
+            encode_vector(&S->v, row + (H + Hkv + g) * D, S->slots[b] * Hkv + g, D);
+        }
     }
     Attend a = {L, S, qkv, attn, scores};
     kvlab_pool_run(attend_items, &a, (uint32_t)(B * Hkv), 1, threads);

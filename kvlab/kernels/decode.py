@@ -6,9 +6,14 @@
 
 What a layer holds (norm weights, each matrix's parts and formats, biases) is described once per
 model in C structs that point at the model's own tensors; each step only passes the new tokens'
-rotation, slots, block tables and key counts. It takes decode-sized passes (every token a
-sequence's next one) on a CPU in float32 with a float32 paged cache, under the thread policy's
-kernel rows; every other pass runs the model's modules as usual.
+rotation, slots, block tables, key counts and the cache's storage tensors. It takes decode-sized
+passes (every token a sequence's next one) on a CPU in float32 under the thread policy's kernel
+rows, with a paged cache whose keys and values are each stored as float32, q8_0, q4_0 or fp8_e4m3
+(kv/formats.py; K and V may differ), Hadamard-rotated or not (`KVFormats.rotate`). The kernel writes
+the new token's K and V in the cache's format, the same bytes as the format's `encode`, and attends
+over the stored codes directly: each cached row is decoded to code × scale as it is read (the values
+`decode` gives), so a quantized cache is read in its own bytes — 34 per 32 values for q8_0, not 128.
+Every other pass runs the model's modules as usual.
 """
 
 from __future__ import annotations
@@ -43,11 +48,36 @@ class LayerDesc(ctypes.Structure):
                 ("down", LinearDesc)]  # fmt: skip
 
 
+class KVStore(ctypes.Structure):
+    """One layer's keys (or values) in the cache: the format's id and its codes' and scales' tensors."""
+
+    _fields_ = [("fmt", ctypes.c_int32), ("codes", ctypes.c_void_p), ("scales", ctypes.c_void_p)]
+
+
 class StepDesc(ctypes.Structure):
     _fields_ = [("batch", ctypes.c_int64), ("cos", ctypes.c_void_p), ("signed_sin", ctypes.c_void_p),
-                ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p), ("block_size", ctypes.c_int64),
+                ("k", KVStore), ("v", KVStore), ("block_size", ctypes.c_int64),
                 ("slots", ctypes.c_void_p), ("block_tables", ctypes.c_void_p), ("table_stride", ctypes.c_int64),
-                ("num_keys", ctypes.c_void_p), ("max_keys", ctypes.c_int64), ("scratch", ctypes.c_void_p)]  # fmt: skip
+                ("num_keys", ctypes.c_void_p), ("max_keys", ctypes.c_int64), ("scratch", ctypes.c_void_p),
+                ("rotate", ctypes.c_int32)]  # fmt: skip
+
+
+MAX_HEAD_DIM = 512  # decode.c's row buffers
+KV_F32, KV_Q8_0, KV_Q4_0, KV_FP8 = range(4)  # decode.c's ids of the cache's storage formats
+
+
+def kv_format_id(fmt) -> int | None:
+    """decode.c's id of a KV storage format (kv/formats.py), None for one it does not read."""
+    from kvlab.kv.formats import FP8E4M3, Q4_0, Q8_0, FloatFormat
+
+    if isinstance(fmt, FloatFormat):
+        return KV_F32 if fmt.dtype == torch.float32 else None
+    return {Q8_0: KV_Q8_0, Q4_0: KV_Q4_0, FP8E4M3: KV_FP8}.get(type(fmt))
+
+
+def rotated(formats) -> bool:
+    """Whether the cache stores K and V Hadamard-rotated (KVFormats.rotate, where the field exists)."""
+    return bool(getattr(formats, "rotate", False))
 
 
 def _library():
@@ -145,8 +175,16 @@ class FusedDecode:
         if any(layer.attn.attend is not sdpa_attention for layer in self.model.layers):  # set_attention since
             return False
         group, tokens = meta.groups[0], input_ids.shape[1]
-        return (group.batch_size == tokens and group.lo == 0 and group.hi == tokens and policy.kernel_sized(tokens)
-                and cache.k[0].dtype == torch.float32 and not cache.formats.is_quantized)  # fmt: skip
+        if not (group.batch_size == tokens and group.lo == 0 and group.hi == tokens and policy.kernel_sized(tokens)):
+            return False
+        formats, D = cache.formats, cache.head_dim
+        if cache.dtype != torch.float32 or D > MAX_HEAD_DIM or D % 8:
+            return False
+        if kv_format_id(formats.k) is None or kv_format_id(formats.v) is None:
+            return False
+        if rotated(formats) and D & (D - 1):
+            return False  # the rotation is a power-of-two head_dim's
+        return all(t.is_contiguous() for t in cache.tensors())
 
     def run(self, input_ids: torch.Tensor, cache, meta, logits_index: torch.Tensor, policy: ThreadPolicy):
         """Logits [1, S, V] of the rows at `logits_index`, as the model's own forward would give them."""
@@ -159,11 +197,18 @@ class FusedDecode:
         B, max_keys = x.shape[0], int(group.num_keys)
         floats = self.lib["scratch_floats"](B, *self.geometry, max_keys)
         scratch = torch.empty(floats)
-        step = StepDesc(B, cos.data_ptr(), sin.data_ptr(), 0, 0, cache.block_size, meta.slot_mapping.data_ptr(),
-                        tables.data_ptr(), tables.shape[1], num_keys.data_ptr(), max_keys, scratch.data_ptr())  # fmt: skip
+        step = StepDesc(B, cos.data_ptr(), sin.data_ptr(), KVStore(), KVStore(), cache.block_size,
+                        meta.slot_mapping.data_ptr(), tables.data_ptr(), tables.shape[1], num_keys.data_ptr(),
+                        max_keys, scratch.data_ptr(), int(rotated(cache.formats)))  # fmt: skip
+        k_fmt, v_fmt = kv_format_id(cache.formats.k), kv_format_id(cache.formats.v)
         run_layer = self.lib["layer"]
         for i, desc in enumerate(self.layers):
-            step.k_cache, step.v_cache = cache.k[i].data_ptr(), cache.v[i].data_ptr()
+            step.k, step.v = _store(k_fmt, cache.k_parts[i]), _store(v_fmt, cache.v_parts[i])
             run_layer(ctypes.byref(desc), ctypes.byref(step), x.data_ptr(), policy.threads)
         x = x[logits_index]  # [S, E]
         return model.lm_head(model.norm(x[None])).float()  # [1, S, V]
+
+
+def _store(fmt: int, parts: list[torch.Tensor]) -> KVStore:
+    """A layer's storage tensors (codes, then scales where the format has them) as decode.c reads them."""
+    return KVStore(fmt, parts[0].data_ptr(), parts[1].data_ptr() if len(parts) > 1 else None)

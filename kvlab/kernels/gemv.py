@@ -104,6 +104,9 @@ def _load() -> None:
     _quant["dequantize"] = _bind(lib, "kvlab_quant_dequantize", [ctypes.c_int, pointer, int64, pointer] + [int64] * 3 + [ctypes.c_int], ctypes.c_int)
     _decode["layer"] = _bind(lib, "kvlab_decode_layer", [pointer] * 3 + [ctypes.c_int])
     _decode["scratch_floats"] = _bind(lib, "kvlab_decode_scratch_floats", [int64] * 7, int64)
+    _decode["kv_encode"] = _bind(lib, "kvlab_kv_encode", [ctypes.c_int, pointer, int64, int64, pointer, pointer], ctypes.c_int)
+    _decode["kv_decode"] = _bind(lib, "kvlab_kv_decode", [ctypes.c_int, pointer, pointer, int64, int64, pointer], ctypes.c_int)
+    _decode["hadamard"] = _bind(lib, "kvlab_hadamard_f32", [pointer, int64, int64])
     _comm["allreduce"] = _bind(lib, "kvlab_shm_allreduce", [pointer, ctypes.c_int, ctypes.c_int, int64, pointer,
                                                             int64, int64, ctypes.c_double], ctypes.c_int)  # fmt: skip
 

@@ -1,0 +1,270 @@
+"""The fused decode step over a quantized KV cache: its bytes, its values, its logits, its tokens.
+
+decode.c writes each new K/V vector into the cache's format itself and reads the stored codes
+directly. Checked here:
+  - its encoder stores the very bytes kv/formats.py's `encode` stores, and its decoder gives the
+    very floats `decode` gives, for every format (awkward values included: zeros, ties, halves);
+  - its fast Walsh–Hadamard transform is x · H (H the normalised Sylvester matrix, by matmul);
+  - one decode step from the same cache, fused and through the model's modules: logits within 1e-5,
+    and the new token's codes written into layer 0 byte for byte the module path's;
+  - served greedily for a few dozen steps, fused and module paths give the same tokens, for each
+    format, mixed K/V formats, with and without the Hadamard rotation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from kvlab.config import EngineConfig
+from kvlab.engine import LLMEngine
+from kvlab.kernels import ThreadPolicy
+from kvlab.kernels.decode import FusedDecode, _library, kv_format_id
+from kvlab.kv.formats import KV_FORMATS, KVFormats
+from kvlab.kv.paged import PagedKVCache
+from kvlab.model.loader import load_model
+from kvlab.sampling import SamplingParams
+from tiny import build_tiny
+
+pytestmark = pytest.mark.skipif(not _library(), reason="no C compiler: the fused step is not built")
+
+QUANTIZED = ["q8_0", "q4_0", "fp8_e4m3"]
+SETTINGS = [("q8_0", "q8_0"), ("q4_0", "q4_0"), ("fp8_e4m3", "fp8_e4m3"), ("q8_0", "q4_0"), ("fp8_e4m3", "q8_0"),
+            ("float32", "q4_0")]  # fmt: skip
+
+
+# ---- the Python reference of the rotation -------------------------------------------------------
+
+
+def hadamard_matrix(d: int) -> torch.Tensor:
+    """Sylvester's Hadamard matrix of order d (a power of two) / sqrt(d): symmetric, H · H = I."""
+    h = torch.ones(1, 1)
+    while h.shape[0] < d:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return h / d**0.5
+
+
+NATIVE_ROTATE = "rotate" in {f.name for f in dataclasses.fields(KVFormats)}
+
+
+@dataclasses.dataclass(frozen=True)
+class RotatedFormats(KVFormats):
+    """KVFormats with the rotation on, whether or not kv/formats.py has the field yet."""
+
+    rotate: bool = True
+
+
+@pytest.fixture
+def rotating_cache(monkeypatch):
+    """Where the cache does not rotate by itself yet: the reference rotation by matmul in its write and
+    gather (vectors × H before encoding, decoded vectors × H after), for caches whose formats say so."""
+    if NATIVE_ROTATE:
+        return
+    write, gather = PagedKVCache.write, PagedKVCache.gather
+
+    def rotated(cache) -> bool:
+        return getattr(cache.formats, "rotate", False)
+
+    def rotating_write(self, layer, k, v, meta):
+        if rotated(self):
+            H = hadamard_matrix(self.head_dim)
+            k, v = k @ H, v @ H
+        write(self, layer, k, v, meta)
+
+    def rotating_gather(self, layer, group):
+        k, v = gather(self, layer, group)
+        if rotated(self):
+            H = hadamard_matrix(self.head_dim)
+            k, v = k @ H, v @ H
+        return k, v
+
+    monkeypatch.setattr(PagedKVCache, "write", rotating_write)
+    monkeypatch.setattr(PagedKVCache, "gather", rotating_gather)
+
+
+# ---- the kernel's encoder and decoder against formats.py ----------------------------------------
+
+
+def awkward_vectors(d: int, seed: int) -> torch.Tensor:
+    """Vectors of d values that test the encoders' edges: several magnitudes, zero blocks, ties of |x|,
+    values at exactly half a step, tiny values (fp8 subnormals)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(64, d, generator=g) * torch.logspace(-4, 3, 64)[:, None]
+    x[0] = 0  # zeros: scale 0 (q8_0, q4_0) or 1 (fp8)
+    x[1, :32] = 0
+    x[2] = torch.randint(-6, 7, (d,), generator=g).float()  # ties of |x| (q4_0's first largest), exact halves
+    x[3] = torch.arange(d).float() - d / 2 + 0.5
+    x[4] = x[4] * 1e-6  # fp8 codes below 2^-6 after scaling: subnormals
+    x[5, :] = 62.5  # with max 127 the scale is 1: halves, rounded to even (62), not away from zero (63)
+    x[5, 1::2] = -61.5
+    x[5, ::3] = -127
+    x[6] = torch.linspace(-1, 1, d) * 448
+    return x
+
+
+def kernel_encode(fmt_name: str, x: torch.Tensor) -> list[torch.Tensor]:
+    fmt = KV_FORMATS[fmt_name]
+    n, d = x.shape
+    parts = [torch.zeros(n, *shape, dtype=dtype) for shape, dtype in fmt.storage(d)]
+    scales = parts[1].data_ptr() if len(parts) > 1 else None
+    assert _library()["kv_encode"](kv_format_id(fmt), x.contiguous().data_ptr(), n, d, parts[0].data_ptr(), scales) == 0
+    return parts
+
+
+@pytest.mark.parametrize("d", [32, 64, 128])
+@pytest.mark.parametrize("fmt_name", QUANTIZED + ["float32"])
+def test_the_kernel_writes_the_bytes_the_python_encoder_writes(fmt_name, d):
+    fmt = KV_FORMATS[fmt_name]
+    for seed in range(3):
+        x = awkward_vectors(d, seed)
+        mine, theirs = kernel_encode(fmt_name, x), fmt.encode(x)
+        assert len(mine) == len(theirs)
+        for a, b in zip(mine, theirs):
+            assert a.dtype == b.dtype and a.shape == b.shape
+            bytes_a, bytes_b = a.view(torch.uint8), b.contiguous().view(torch.uint8)
+            assert torch.equal(bytes_a, bytes_b), f"{fmt_name}: {(bytes_a != bytes_b).sum()} bytes differ"
+
+
+@pytest.mark.parametrize("fmt_name", QUANTIZED)
+def test_the_kernel_reads_the_values_the_python_decoder_gives(fmt_name):
+    fmt, d = KV_FORMATS[fmt_name], 128
+    x = awkward_vectors(d, seed=7)
+    parts = fmt.encode(x)
+    out = torch.empty(x.shape)
+    scales = parts[1].contiguous().data_ptr()
+    assert _library()["kv_decode"](kv_format_id(fmt), parts[0].contiguous().data_ptr(), scales, x.shape[0], d,
+                                   out.data_ptr()) == 0  # fmt: skip
+    assert torch.equal(out, fmt.decode(parts, torch.float32))
+
+
+@pytest.mark.parametrize("d", [32, 64, 128, 256])
+def test_the_fast_hadamard_transform_is_the_matrix_product(d):
+    x = torch.randn(10, d, generator=torch.Generator().manual_seed(d))
+    y = x.clone()
+    _library()["hadamard"](y.data_ptr(), 10, d)
+    torch.testing.assert_close(y, x @ hadamard_matrix(d), rtol=0, atol=1e-5)
+    _library()["hadamard"](y.data_ptr(), 10, d)  # H · H = I
+    torch.testing.assert_close(y, x, rtol=0, atol=1e-5)
+
+
+# ---- the model: fused against the modules --------------------------------------------------------
+
+
+@pytest.fixture(scope="module", params=["qwen2-d64", "llama-d32", "qwen3"])
+def model(request, tmp_path_factory):
+    directory = tmp_path_factory.mktemp(request.param)
+    kind, _, d = request.param.partition("-d")
+    return load_model(build_tiny(kind, directory, head_dim=int(d) if d else None))
+
+
+def prompts(n: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(3, 40, (n,), generator=g).tolist()
+    return [torch.randint(5, 400, (k,), generator=g).tolist() for k in lengths]
+
+
+def engine_for(loaded, k: str, v: str, rotate: bool, monkeypatch, fused: bool) -> LLMEngine:
+    import kvlab.engine
+
+    plan = kvlab.engine.plan_kv_pool
+    def rotating(*args):  # the same pool, its formats rotating
+        p = plan(*args)
+        return dataclasses.replace(p, formats=RotatedFormats(p.formats.k, p.formats.v))
+
+    if rotate:
+        monkeypatch.setattr(kvlab.engine, "plan_kv_pool", rotating)
+    config = EngineConfig(max_num_batched_tokens=24, kv_memory_bytes=1 << 22, cache_type_k=k, cache_type_v=v)
+    engine = LLMEngine(loaded, None, config, policy=ThreadPolicy(fused_decode=fused))
+    monkeypatch.setattr(kvlab.engine, "plan_kv_pool", plan)
+    assert engine.cache.formats.k.name == k and engine.cache.formats.v.name == v
+    assert bool(getattr(engine.cache.formats, "rotate", False)) == rotate
+    return engine
+
+
+def serve(engine: LLMEngine, batch: list[list[int]], max_tokens: int) -> list[list[int]]:
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    ids = [engine.add_request(p, params) for p in batch]
+    done = {}
+    while engine.has_unfinished_requests:
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.output.token_ids
+    assert engine.ledger().is_balanced and engine.kv.pool.check_integrity().used == 0
+    return [done[i] for i in ids]
+
+
+@pytest.mark.parametrize("rotate", [False, True], ids=["plain", "rotated"])
+@pytest.mark.parametrize("k,v", SETTINGS, ids=[f"K-{k}-V-{v}" for k, v in SETTINGS])
+def test_one_step_from_the_same_cache_fused_and_through_the_modules(model, k, v, rotate, monkeypatch,
+                                                                    rotating_cache):  # fmt: skip
+    """Each decode step is run twice from the same cache: fused, then (the cache restored) by the
+    modules; logits within 1e-5, and layer 0's new K/V codes the same bytes (plain formats)."""
+    engine = engine_for(model, k, v, rotate, monkeypatch, fused=True)
+    driver, cache = engine.runner.driver, engine.cache
+    run, compared = driver.run, []
+
+    def both(input_ids, kv, meta=None, logits_index=None):
+        before = [t.clone() for t in cache.tensors()]
+        driver.policy.fused_decode = True
+        fused = run(input_ids, kv, meta, logits_index)
+        if driver._fused_step(input_ids, kv, meta, logits_index) is None:
+            return fused  # not a decode step: the modules ran it
+        after_fused = [t.clone() for t in cache.tensors()]
+        for t, saved in zip(cache.tensors(), before):
+            t.copy_(saved)
+        driver.policy.fused_decode = False
+        plain = run(input_ids, kv, meta, logits_index)
+        driver.policy.fused_decode = True
+        assert (fused - plain).abs().max() <= 1e-5 * max(plain.abs().max().item(), 1.0)
+        slots = meta.slot_mapping
+        for parts_index, parts in enumerate((cache.k_parts[0], cache.v_parts[0])):
+            for t in parts:
+                i = next(j for j, u in enumerate(cache.tensors()) if u is t)
+                mine = after_fused[i].view(-1, *t.shape[2:])[slots]
+                theirs = t.view(-1, *t.shape[2:])[slots]
+                if rotate:  # FWHT and matmul differ in the last bits: compare what the codes mean
+                    continue
+                assert torch.equal(mine.view(torch.uint8), theirs.view(torch.uint8)), f"layer 0 {'kv'[parts_index]}"
+        compared.append(fused.shape)
+        return plain
+
+    monkeypatch.setattr(driver, "run", both)
+    serve(engine, prompts(4, seed=3), max_tokens=6)
+    assert len(compared) >= 5  # decode steps were compared
+
+
+@pytest.mark.parametrize("rotate", [False, True], ids=["plain", "rotated"])
+@pytest.mark.parametrize("k,v", SETTINGS[:4], ids=[f"K-{k}-V-{v}" for k, v in SETTINGS[:4]])
+def test_greedy_tokens_fused_and_through_the_modules_agree(model, k, v, rotate, monkeypatch, rotating_cache):
+    batch = prompts(5, seed=1) + [prompts(1, seed=1)[0] + [7, 8, 9]]  # the last one shares a prefix
+    calls = []
+    fused_engine = engine_for(model, k, v, rotate, monkeypatch, fused=True)
+    run = FusedDecode.run
+    monkeypatch.setattr(FusedDecode, "run", lambda self, *a: calls.append(1) or run(self, *a))
+    fused = serve(fused_engine, batch, max_tokens=32)
+    assert len(calls) >= 31  # every decode step was fused
+    plain = serve(engine_for(model, k, v, rotate, monkeypatch, fused=False), batch, max_tokens=32)
+    assert len(calls) >= 31 and fused == plain
+
+
+def test_the_rotation_changes_what_is_stored(model, monkeypatch, rotating_cache):
+    """Not a no-op: a rotated q8_0 cache holds other codes than a plain one."""
+    batch = prompts(2, seed=5)
+    stored = {}
+    for rotate in (False, True):
+        engine = engine_for(model, "q8_0", "q8_0", rotate, monkeypatch, fused=True)
+        serve(engine, batch, max_tokens=4)
+        stored[rotate] = [t.clone() for t in engine.cache.tensors()]
+    assert not all(torch.equal(a, b) for a, b in zip(stored[False], stored[True]))
+
+
+def test_formats_the_kernel_does_not_read_run_the_modules(model, monkeypatch):
+    engine = engine_for(model, "float16", "float16", False, monkeypatch, fused=True)
+    calls = []
+    run = FusedDecode.run
+    monkeypatch.setattr(FusedDecode, "run", lambda self, *a: calls.append(1) or run(self, *a))
+    serve(engine, prompts(2, seed=4), max_tokens=4)
+    assert not calls
+    assert kv_format_id(KV_FORMATS["bfloat16"]) is None and kv_format_id(KV_FORMATS["q8_0"]) is not None
