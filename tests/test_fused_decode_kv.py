@@ -200,7 +200,10 @@ def serve(engine: LLMEngine, batch: list[list[int]], max_tokens: int) -> list[li
 def test_one_step_from_the_same_cache_fused_and_through_the_modules(model, k, v, rotate, monkeypatch,
                                                                     rotating_cache):  # fmt: skip
     """Each decode step is run twice from the same cache: fused, then (the cache restored) by the
-    modules; logits within 1e-5, and layer 0's new K/V codes the same bytes (plain formats)."""
+    modules; logits within 1e-5, and layer 0's new K/V codes the same bytes (plain formats). Rotated,
+    the kernel's FWHT and the reference's matmul differ in the last bit, which now and then moves a
+    value across a rounding boundary of its format: a code one step away, logits within 1e-4."""
+    tolerance = 1e-4 if rotate else 1e-5
     engine = engine_for(model, k, v, rotate, monkeypatch, fused=True)
     driver, cache = engine.runner.driver, engine.cache
     run, compared = driver.run, []
@@ -217,7 +220,7 @@ def test_one_step_from_the_same_cache_fused_and_through_the_modules(model, k, v,
         driver.policy.fused_decode = False
         plain = run(input_ids, kv, meta, logits_index)
         driver.policy.fused_decode = True
-        assert (fused - plain).abs().max() <= 1e-5 * max(plain.abs().max().item(), 1.0)
+        assert (fused - plain).abs().max() <= tolerance * max(plain.abs().max().item(), 1.0)
         slots = meta.slot_mapping
         for parts_index, parts in enumerate((cache.k_parts[0], cache.v_parts[0])):
             for t in parts:

@@ -256,6 +256,25 @@ static inline const float* decode_vector(const KVStore* s, int64_t vec, int64_t 
     return buf;
 }
 
+// -- prefetching: a decode step reads each cached row once, so it waits on memory unless the rows a
+// few tokens ahead are already on their way (the hardware's prefetcher does not follow block tables)
+
+#define PREFETCH_AHEAD 8  // tokens
+
+static inline int64_t code_bytes(int32_t fmt, int64_t D) {
+    return fmt == KV_F32 ? D * 4 : fmt == KV_Q4_0 ? D / 2 : D;
+}
+
+static inline void prefetch_vector(const KVStore* s, int64_t vec, int64_t D) {
+    const int64_t bytes = code_bytes(s->fmt, D);
+    const char* codes = (const char*)s->codes + vec * bytes;
+    for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(codes + off);
+    if (s->fmt == KV_Q8_0 || s->fmt == KV_Q4_0)
+        __builtin_prefetch((const char*)s->scales + vec * (D / QK) * 2);
+    else if (s->fmt == KV_FP8)
+        __builtin_prefetch((const float*)s->scales + vec);
+}
+
 // -- the Hadamard rotation: x ← x · H, H = Sylvester's Hadamard(D) / sqrt(D), D a power of two.
 // The fast Walsh–Hadamard transform: log2 D rounds of butterflies (a, b) → (a + b, a − b).
 
@@ -307,12 +326,22 @@ typedef struct {
     int32_t rotate;                      // K and V stored Hadamard-rotated (KVFormats.rotate)
 } Step;
 
-// Floats of scratch a step needs: qkv, attention output, a norm's output, gate/up, SiLU·up, and the
-// score rows of every (sequence, kv head).
+// Attention splits each sequence's keys into chunks of CHUNK_KEYS (a fixed size, so that no value
+// depends on the thread count): one work item per (sequence, chunk), every head at once. Each item
+// leaves, per query head, its chunk's largest score, sum of weights and weighted sum of values; the
+// chunks are then merged (flash-decoding). At one sequence and a long context that keeps every thread
+// busy, whatever the number of kv heads, and each item reads whole blocks of the cache in order.
+#define CHUNK_KEYS 128
+
+static inline int64_t num_chunks(int64_t max_keys) { return (max_keys + CHUNK_KEYS - 1) / CHUNK_KEYS; }
+
+// Floats of scratch a step needs: qkv, attention output, a norm's output, gate/up, SiLU·up, the score
+// rows of every (sequence, head), and each chunk's partial results (max, sum, D values) per head.
 int64_t kvlab_decode_scratch_floats(int64_t batch, int64_t hidden, int64_t heads, int64_t kv_heads, int64_t head_dim,
                                     int64_t intermediate, int64_t max_keys) {
     int64_t qkv = (heads + 2 * kv_heads) * head_dim;
-    return batch * (qkv + heads * head_dim + hidden + 3 * intermediate) + batch * heads * max_keys;
+    return batch * (qkv + heads * head_dim + hidden + 3 * intermediate) + batch * heads * max_keys +
+           batch * num_chunks(max_keys) * heads * (head_dim + 2);
 }
 
 // y [m, l->out] (row stride ldy) = x [m, l->in] · Wᵀ + bias, part by part into its columns
@@ -338,11 +367,12 @@ static void linear(const Linear* l, const float* x, float* y, int64_t m, int64_t
             for (int64_t o = 0; o < l->out; o++) y[i * ldy + o] += l->bias[o];
 }
 
-// ---- attention: one work item per (sequence, kv head), its query heads together ----------------
+// ---- attention: one work item per (sequence, chunk of keys), every head ------------------------
 //
-// The group's query heads share the kv head's keys and values: each cached row is decoded once and
-// used by all of them. Scores first (q · k / sqrt(D) for every key), then each head's softmax, then
-// the weighted sum of the values, rotated back when the cache holds rotated vectors.
+// A kv head's group of query heads share its keys and values: each cached row is decoded once and
+// used by all of them. Per chunk: scores first (q · k / sqrt(D) for each key), then each head's
+// softmax over the chunk (relative to the chunk's largest score), then the weighted sum of the
+// values. `merge` then combines the chunks of each head, exactly as one softmax over all keys.
 
 typedef struct {
     const Layer* layer;
@@ -350,6 +380,8 @@ typedef struct {
     const float* qkv;  // [B, (H + 2 Hkv) · D], q and k rotated (RoPE; and Hadamard for q with `rotate`)
     float* out;        // [B, H · D]
     float* scores;     // [B · H, max_keys]
+    float* partial;    // [B, chunks, H, D + 2]: per chunk and head, its max score, sum of weights, Σ weight · v
+    int64_t chunks;    // chunks per sequence (num_chunks(max_keys))
 } Attend;
 
 // a · b over D floats
@@ -373,6 +405,10 @@ static inline void axpy(float* o, float p, const float* v, int64_t D) {
     for (; i < D; i++) o[i] += p * v[i];
 }
 
+// below e^-64 of the largest a weight is 0: it cannot move a sum of weights ≥ 1 (float's epsilon is
+// e^-16), and the subnormal products it would make cost a hundred cycles each
+#define NEGLIGIBLE (-64.0f)
+
 static void attend_items(void* ctx, uint32_t begin, uint32_t end) {
     const Attend* a = ctx;
     const Layer* L = a->layer;
@@ -382,38 +418,79 @@ static void attend_items(void* ctx, uint32_t begin, uint32_t end) {
     const float scale = 1.0f / sqrtf((float)D);
     float kbuf[MAX_HEAD_DIM], vbuf[MAX_HEAD_DIM];
     for (uint32_t item = begin; item < end; item++) {
-        const int64_t b = item / Hkv, g = item % Hkv, n = S->num_keys[b];
+        const int64_t b = item / a->chunks, c = item % a->chunks, n = S->num_keys[b];
+        const int64_t lo = c * CHUNK_KEYS, hi = lo + CHUNK_KEYS < n ? lo + CHUNK_KEYS : n;
+        if (lo >= n) continue;  // past this sequence's keys (a shorter one of the batch)
         const int64_t* table = S->block_tables + b * S->table_stride;
-        const float* q = a->qkv + b * qkv_row + g * group * D;  // the group's query heads, one after another
-        float* scores = a->scores + (b * H + g * group) * stride;
-        float* out = a->out + b * H * D + g * group * D;
+        const float* q = a->qkv + b * qkv_row;       // H query heads, kv head g's group at g · group
+        float* scores = a->scores + b * H * stride;  // row h: head h's scores
+        float* partial = a->partial + (b * a->chunks + c) * H * (D + 2);
 
-        // scores: every key decoded once, dotted with each query head of the group
-        for (int64_t t = 0; t < n; t++) {
-            const int64_t vec = (table[t / bs] * bs + t % bs) * Hkv + g;
-            const float* k = decode_vector(&S->k, vec, D, kbuf);
-            for (int64_t j = 0; j < group; j++) scores[j * stride + t] = dot(q + j * D, k, D) * scale;
+        // scores: every key decoded once, dotted with each query head of its kv head's group
+        for (int64_t t = lo; t < hi; t++) {
+            const int64_t slot = table[t / bs] * bs + t % bs, ahead = t + PREFETCH_AHEAD;
+            const int64_t slot_ahead = ahead < hi ? table[ahead / bs] * bs + ahead % bs : -1;
+            for (int64_t g = 0; g < Hkv; g++) {
+                if (slot_ahead >= 0) prefetch_vector(&S->k, slot_ahead * Hkv + g, D);
+                const float* k = decode_vector(&S->k, slot * Hkv + g, D, kbuf);
+                for (int64_t h = g * group; h < (g + 1) * group; h++)
+                    scores[h * stride + t] = dot(q + h * D, k, D) * scale;
+            }
         }
-        // softmax of each head's scores, in place: the weights of the values
-        for (int64_t j = 0; j < group; j++) {
-            float* s = scores + j * stride;
+        // each head's weights over the chunk, relative to the chunk's largest score
+        for (int64_t h = 0; h < H; h++) {
+            float* s = scores + h * stride;
             float top = -INFINITY, sum = 0.0f;
-            for (int64_t t = 0; t < n; t++) top = s[t] > top ? s[t] : top;
-            for (int64_t t = 0; t < n; t++) {
-                s[t] = expf(s[t] - top);
+            for (int64_t t = lo; t < hi; t++) top = s[t] > top ? s[t] : top;
+            for (int64_t t = lo; t < hi; t++) {
+                s[t] = s[t] - top < NEGLIGIBLE ? 0.0f : expf(s[t] - top);
                 sum += s[t];
             }
-            for (int64_t t = 0; t < n; t++) s[t] = s[t] / sum;
+            float* part = partial + h * (D + 2);
+            part[0] = top;
+            part[1] = sum;
+            memset(part + 2, 0, D * sizeof(float));
         }
-        // the weighted sum of the values: every value decoded once, added to each head's output
-        memset(out, 0, group * D * sizeof(float));
-        for (int64_t t = 0; t < n; t++) {
-            const int64_t vec = (table[t / bs] * bs + t % bs) * Hkv + g;
-            const float* v = decode_vector(&S->v, vec, D, vbuf);
-            for (int64_t j = 0; j < group; j++) axpy(out + j * D, scores[j * stride + t], v, D);
+        // the weighted sum of the values: every value decoded once, added to each head of its group
+        for (int64_t t = lo; t < hi; t++) {
+            const int64_t slot = table[t / bs] * bs + t % bs, ahead = t + PREFETCH_AHEAD;
+            const int64_t slot_ahead = ahead < hi ? table[ahead / bs] * bs + ahead % bs : -1;
+            for (int64_t g = 0; g < Hkv; g++) {
+                if (slot_ahead >= 0) prefetch_vector(&S->v, slot_ahead * Hkv + g, D);
+                const float* v = decode_vector(&S->v, slot * Hkv + g, D, vbuf);
+                for (int64_t h = g * group; h < (g + 1) * group; h++)
+                    axpy(partial + h * (D + 2) + 2, scores[h * stride + t], v, D);
+            }
         }
-        if (S->rotate)  // a sum of rotated values: rotated back (H · H = I)
-            for (int64_t j = 0; j < group; j++) hadamard(out + j * D, D);
+    }
+}
+
+// Each head's output from its chunks: Σ_c e^(m_c − m) · o_c / Σ_c e^(m_c − m) · l_c (m the largest
+// m_c), rotated back when the cache holds rotated vectors (a sum of rotated values; H · H = I).
+static void merge(const Attend* a) {
+    const Layer* L = a->layer;
+    const Step* S = a->step;
+    const int64_t D = L->head_dim, H = L->heads;
+    for (int64_t b = 0; b < S->batch; b++) {
+        const int64_t used = num_chunks(S->num_keys[b]);
+        for (int64_t h = 0; h < H; h++) {
+            const float* part = a->partial + b * a->chunks * H * (D + 2) + h * (D + 2);
+            const int64_t step = H * (D + 2);  // from one chunk's partials to the next one's
+            float top = -INFINITY, sum = 0.0f;
+            for (int64_t c = 0; c < used; c++) top = part[c * step] > top ? part[c * step] : top;
+            float* o = a->out + b * H * D + h * D;
+            memset(o, 0, D * sizeof(float));
+            for (int64_t c = 0; c < used; c++) {
+                const float* pc = part + c * step;
+                if (pc[0] - top < NEGLIGIBLE) continue;
+                const float w = pc[0] == top ? 1.0f : expf(pc[0] - top);
+                sum += w * pc[1];
+                axpy(o, w, pc + 2, D);
+            }
+            const float inv = 1.0f / sum;
+            for (int64_t i = 0; i < D; i++) o[i] *= inv;
+            if (S->rotate) hadamard(o, D);
+        }
     }
 }
 
@@ -429,6 +506,7 @@ void kvlab_decode_layer(const Layer* L, const Step* S, float* x, int threads) {
     float* gate_up = normed + B * E;
     float* act = gate_up + B * 2 * I;
     float* scores = act + B * I;
+    float* partial = scores + B * H * S->max_keys;
 
     kvlab_rms_norm_f32(x, L->attn_norm, normed, B, E, L->eps);
     linear(&L->qkv, normed, qkv, B, qkv_row, threads);
@@ -449,8 +527,10 @@ void kvlab_decode_layer(const Layer* L, const Step* S, float* x, int threads) {
             encode_vector(&S->v, row + (H + Hkv + g) * D, S->slots[b] * Hkv + g, D);
         }
     }
-    Attend a = {L, S, qkv, attn, scores};
-    kvlab_pool_run(attend_items, &a, (uint32_t)(B * Hkv), 1, threads);
+    const int64_t chunks = num_chunks(S->max_keys);
+    Attend a = {L, S, qkv, attn, scores, partial, chunks};
+    kvlab_pool_run(attend_items, &a, (uint32_t)(B * chunks), 1, threads);
+    merge(&a);
     linear(&L->o, attn, normed, B, E, threads);
     for (int64_t i = 0; i < B * E; i++) x[i] += normed[i];
 
