@@ -32,6 +32,10 @@
 
 #include "pool.h"
 
+#if defined(__AVX__) || defined(__AVX2__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
+
 // the library's other kernels (gemv.c, quant.c)
 void kvlab_gemv_f32(const float* w, const float* x, const float* bias, float* y, int64_t m, int64_t n, int64_t out,
                     int threads);
@@ -205,7 +209,6 @@ SEPARATE_ROUNDINGS static void encode_vector(const KVStore* s, const float* x, i
 // where it lies.
 
 #if defined(__F16C__)
-#include <immintrin.h>
 // 8 e4m3 codes → their values / 256: the 7 bits below the sign are an fp16's exponent (bias 15, not 7)
 // and top mantissa bits, subnormals included, so one fp16 conversion decodes them exactly
 static inline v8f fp8x8_over_256(const uint8_t* c) {
@@ -229,7 +232,14 @@ static inline const float* decode_vector(const KVStore* s, int64_t vec, int64_t 
         const _Float16* scales = (const _Float16*)s->scales + vec * (D / QK);
         for (int64_t b = 0; b < D / QK; b++) {
             const float d = (float)scales[b];
+#if defined(__AVX2__)
+            for (int i = 0; i < QK; i += 8) {
+                const __m128i codes = _mm_loadl_epi64((const __m128i*)(q + b * QK + i));
+                store8(buf + b * QK + i, (v8f)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(codes)) * d);
+            }
+#else
             for (int i = 0; i < QK; i++) buf[b * QK + i] = (float)q[b * QK + i] * d;
+#endif
         }
     } else if (s->fmt == KV_Q4_0) {
         const uint8_t* packed = (const uint8_t*)s->codes + vec * (D / 2);
@@ -238,10 +248,18 @@ static inline const float* decode_vector(const KVStore* s, int64_t vec, int64_t 
             const float d = (float)scales[b];
             const uint8_t* p = packed + b * (QK / 2);
             float* out = buf + b * QK;
-            for (int j = 0; j < QK / 2; j++) {
-                out[j] = (float)((int)(p[j] & 0x0F) - 8) * d;
-                out[j + QK / 2] = (float)((int)(p[j] >> 4) - 8) * d;
+#if defined(__AVX2__)
+            const __m128i bytes = _mm_loadu_si128((const __m128i*)p), mask = _mm_set1_epi8(0x0F);
+            const __m128i low = _mm_and_si128(bytes, mask), high = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);
+            const __m128i nibbles[4] = {low, _mm_srli_si128(low, 8), high, _mm_srli_si128(high, 8)};
+            for (int part = 0; part < 4; part++) {  // values 0-7, 8-15 (low nibbles), 16-23, 24-31 (high)
+                const v8f q = (v8f)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(nibbles[part]));
+                store8(out + 8 * part, (q - 8.0f) * d);
             }
+#else
+            for (int j = 0; j < QK / 2; j++) out[j] = (float)((int)(p[j] & 0x0F) - 8) * d;
+            for (int j = 0; j < QK / 2; j++) out[j + QK / 2] = (float)((int)(p[j] >> 4) - 8) * d;
+#endif
         }
     } else {  // KV_FP8
         const uint8_t* q = (const uint8_t*)s->codes + vec * D;
@@ -398,6 +416,26 @@ static inline float dot(const float* a, const float* b, int64_t D) {
     return s;
 }
 
+// The dots of one query with 8 keys k[0..7] (D floats each): eight accumulators, then one transposing
+// reduction for all eight instead of a horizontal sum per key
+static inline v8f dot8(const float* q, const float* const k[8], int64_t D) {
+    v8f acc[8] = {{0}};
+    for (int64_t i = 0; i + 8 <= D; i += 8) {
+        const v8f x = load8(q + i);
+        for (int r = 0; r < 8; r++) acc[r] += x * load8(k[r] + i);
+    }
+#if defined(__AVX__)
+    const __m256 t0 = _mm256_hadd_ps((__m256)acc[0], (__m256)acc[1]), t1 = _mm256_hadd_ps((__m256)acc[2], (__m256)acc[3]);
+    const __m256 t2 = _mm256_hadd_ps((__m256)acc[4], (__m256)acc[5]), t3 = _mm256_hadd_ps((__m256)acc[6], (__m256)acc[7]);
+    const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);  // lanes 0-3: halves of keys 0-3, 4-7
+    return (v8f)_mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+#else
+    v8f out;
+    for (int r = 0; r < 8; r++) out[r] = hsum8(acc[r]);
+    return out;
+#endif
+}
+
 // o += p · v over D floats
 static inline void axpy(float* o, float p, const float* v, int64_t D) {
     int64_t i = 0;
@@ -416,7 +454,7 @@ static void attend_items(void* ctx, uint32_t begin, uint32_t end) {
     const int64_t D = L->head_dim, H = L->heads, Hkv = L->kv_heads, group = H / Hkv;
     const int64_t qkv_row = (H + 2 * Hkv) * D, bs = S->block_size, stride = S->max_keys;
     const float scale = 1.0f / sqrtf((float)D);
-    float kbuf[MAX_HEAD_DIM], vbuf[MAX_HEAD_DIM];
+    float kbuf[MAX_HEAD_DIM], vbuf[MAX_HEAD_DIM], kbuf8[8 * MAX_HEAD_DIM];
     for (uint32_t item = begin; item < end; item++) {
         const int64_t b = item / a->chunks, c = item % a->chunks, n = S->num_keys[b];
         const int64_t lo = c * CHUNK_KEYS, hi = lo + CHUNK_KEYS < n ? lo + CHUNK_KEYS : n;
@@ -426,8 +464,25 @@ static void attend_items(void* ctx, uint32_t begin, uint32_t end) {
         float* scores = a->scores + b * H * stride;  // row h: head h's scores
         float* partial = a->partial + (b * a->chunks + c) * H * (D + 2);
 
-        // scores: every key decoded once, dotted with each query head of its kv head's group
-        for (int64_t t = lo; t < hi; t++) {
+        // scores: every key decoded once, dotted with each query head of its kv head's group; eight
+        // keys at a time (D a multiple of 8), then one by one
+        int64_t t = lo;
+        if (D % 8 == 0)
+            for (; t + 8 <= hi; t += 8) {
+                int64_t slots[8];
+                for (int r = 0; r < 8; r++) slots[r] = table[(t + r) / bs] * bs + (t + r) % bs;
+                const int64_t ahead = t + 8 + PREFETCH_AHEAD < hi ? t + 8 + PREFETCH_AHEAD : -1;
+                for (int64_t g = 0; g < Hkv; g++) {
+                    if (ahead >= 0)
+                        for (int r = 0; r < 8; r++)
+                            prefetch_vector(&S->k, (table[(ahead + r) / bs] * bs + (ahead + r) % bs) * Hkv + g, D);
+                    const float* k[8];
+                    for (int r = 0; r < 8; r++) k[r] = decode_vector(&S->k, slots[r] * Hkv + g, D, kbuf8 + r * D);
+                    for (int64_t h = g * group; h < (g + 1) * group; h++)
+                        store8(scores + h * stride + t, dot8(q + h * D, k, D) * scale);
+                }
+            }
+        for (; t < hi; t++) {
             const int64_t slot = table[t / bs] * bs + t % bs, ahead = t + PREFETCH_AHEAD;
             const int64_t slot_ahead = ahead < hi ? table[ahead / bs] * bs + ahead % bs : -1;
             for (int64_t g = 0; g < Hkv; g++) {
@@ -451,8 +506,32 @@ static void attend_items(void* ctx, uint32_t begin, uint32_t end) {
             part[1] = sum;
             memset(part + 2, 0, D * sizeof(float));
         }
-        // the weighted sum of the values: every value decoded once, added to each head of its group
-        for (int64_t t = lo; t < hi; t++) {
+        // the weighted sum of the values: every value decoded once, added to each head of its group;
+        // eight values at a time (each head's output read and written once per eight), then one by one
+        t = lo;
+        if (D % 8 == 0)
+            for (; t + 8 <= hi; t += 8) {
+                int64_t slots[8];
+                for (int r = 0; r < 8; r++) slots[r] = table[(t + r) / bs] * bs + (t + r) % bs;
+                const int64_t ahead = t + 8 + PREFETCH_AHEAD < hi ? t + 8 + PREFETCH_AHEAD : -1;
+                for (int64_t g = 0; g < Hkv; g++) {
+                    if (ahead >= 0)
+                        for (int r = 0; r < 8; r++)
+                            prefetch_vector(&S->v, (table[(ahead + r) / bs] * bs + (ahead + r) % bs) * Hkv + g, D);
+                    const float* v[8];
+                    for (int r = 0; r < 8; r++) v[r] = decode_vector(&S->v, slots[r] * Hkv + g, D, kbuf8 + r * D);
+                    for (int64_t h = g * group; h < (g + 1) * group; h++) {
+                        const float* p = scores + h * stride + t;
+                        float* o = partial + h * (D + 2) + 2;
+                        for (int64_t i = 0; i + 8 <= D; i += 8) {
+                            v8f acc = load8(o + i);
+                            for (int r = 0; r < 8; r++) acc += p[r] * load8(v[r] + i);
+                            store8(o + i, acc);
+                        }
+                    }
+                }
+            }
+        for (; t < hi; t++) {
             const int64_t slot = table[t / bs] * bs + t % bs, ahead = t + PREFETCH_AHEAD;
             const int64_t slot_ahead = ahead < hi ? table[ahead / bs] * bs + ahead % bs : -1;
             for (int64_t g = 0; g < Hkv; g++) {
