@@ -8,6 +8,7 @@ key and value of the sequence. The fused decode step (kernels/decode.c) reads th
 bytes (34 per 32 values for q8_0, 18 for q4_0, 33 for fp8_e4m3, 128 for float32), so a quantized
 cache is read faster than a float one.
 
+Rotation as the engine's default (--kv-rotation auto: q8_0 and q4_0 Hadamard-rotated; --rotation).
 For each model one paged cache per format holds the longest context (one sequence), its blocks
 filled with random K/V vectors in that format (encoded by kv/formats.py; the step's time does not
 depend on the values). A decode step at context N is then the model's own forward over one new token
@@ -76,7 +77,7 @@ def measure(args) -> dict:
         loaded = load_model(name, max_positions=max(args.contexts) + BLOCK)
         config = loaded.config
         driver = ModelDriver(loaded.model, ThreadPolicy(threads=args.threads))
-        caches = {f: filled_cache(config, KVFormats.resolve(f), max(args.contexts), seed=i)
+        caches = {f: filled_cache(config, KVFormats.resolve(f, rotation=args.rotation), max(args.contexts), seed=i)
                   for i, f in enumerate(FORMATS)}  # fmt: skip
         for context in args.contexts:
             ids, meta, index = decode_inputs(context, loaded.model.device)
@@ -100,7 +101,7 @@ def measure(args) -> dict:
             print(f"  {name} {context}: " + ", ".join(f"{f} {row[f]['median']:.1f}" for f in FORMATS),
                   file=sys.stderr, flush=True)  # fmt: skip
         del caches
-    return {"threads": args.threads, "repeat": args.repeat, "steps": STEPS, "rows": rows,
+    return {"threads": args.threads, "rotation": args.rotation, "repeat": args.repeat, "steps": STEPS, "rows": rows,
             "machine": platform.processor() or platform.machine()}  # fmt: skip
 
 
@@ -110,6 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--contexts", type=int, nargs="+", default=[1000, 4000, 8000])
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
+    p.add_argument("--rotation", default="auto", choices=["auto", "on", "off"],
+                   help="--kv-rotation: auto (the engine's default) rotates the q8_0 and q4_0 caches")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -117,8 +120,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
-    print(f"decode tok/s, one sequence, fused step, {args.threads} threads, median of {args.repeat} × {STEPS} "
-          f"steps (min–max); × = ratio to float32 in the same run")  # fmt: skip
+    print(f"decode tok/s, one sequence, fused step, {args.threads} threads, --kv-rotation {args.rotation}, median of "
+          f"{args.repeat} × {STEPS} steps (min–max); × = ratio to float32 in the same run")  # fmt: skip
     print(f"{'model':<20} {'context':>7}  " + "  ".join(f"{f:>22}" for f in FORMATS))
     for r in result["rows"]:
         base = r["float32"]["median"]

@@ -4,16 +4,16 @@ decode.c writes each new K/V vector into the cache's format itself and reads the
 directly. Checked here:
   - its encoder stores the very bytes kv/formats.py's `encode` stores, and its decoder gives the
     very floats `decode` gives, for every format (awkward values included: zeros, ties, halves);
-  - its fast Walsh–Hadamard transform is x · H (H the normalised Sylvester matrix, by matmul);
+  - its fast Walsh–Hadamard transform is x · H (H the normalised Sylvester matrix, by matmul), and
+    the very bits of kv/formats.py's `hadamard`;
   - one decode step from the same cache, fused and through the model's modules: logits within 1e-5,
-    and the new token's codes written into layer 0 byte for byte the module path's;
+    and the new token's codes and scales written into layer 0 byte for byte the module path's, for
+    each format, mixed K/V formats, rotation off, on and auto (K and V rotated apart);
   - served greedily for a few dozen steps, fused and module paths give the same tokens, for each
     format, mixed K/V formats, with and without the Hadamard rotation.
 """
 
 from __future__ import annotations
-
-import dataclasses
 
 import pytest
 import torch
@@ -22,8 +22,7 @@ from kvlab.config import EngineConfig
 from kvlab.engine import LLMEngine
 from kvlab.kernels import ThreadPolicy
 from kvlab.kernels.decode import FusedDecode, _library, kv_format_id
-from kvlab.kv.formats import KV_FORMATS, KVFormats
-from kvlab.kv.paged import PagedKVCache
+from kvlab.kv.formats import KV_FORMATS, hadamard, unrotated
 from kvlab.model.loader import load_model
 from kvlab.sampling import SamplingParams
 from tiny import build_tiny
@@ -35,53 +34,17 @@ SETTINGS = [("q8_0", "q8_0"), ("q4_0", "q4_0"), ("fp8_e4m3", "fp8_e4m3"), ("q8_0
             ("float32", "q4_0")]  # fmt: skip
 
 
-# ---- the Python reference of the rotation -------------------------------------------------------
+# ---- the reference of the rotation: the matrix ----------------------------------------------------
 
 
 def hadamard_matrix(d: int) -> torch.Tensor:
-    """Sylvester's Hadamard matrix of order d (a power of two) / sqrt(d): symmetric, H · H = I."""
+    """H for vectors of d values: block-diagonal, blocks of n = the largest power of two dividing d,
+    each Sylvester's Hadamard matrix of order n / sqrt(n): symmetric, H · H = I."""
+    n = d & -d
     h = torch.ones(1, 1)
-    while h.shape[0] < d:
+    while h.shape[0] < n:
         h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-    return h / d**0.5
-
-
-NATIVE_ROTATE = "rotate" in {f.name for f in dataclasses.fields(KVFormats)}
-
-
-@dataclasses.dataclass(frozen=True)
-class RotatedFormats(KVFormats):
-    """KVFormats with the rotation on, whether or not kv/formats.py has the field yet."""
-
-    rotate: bool = True
-
-
-@pytest.fixture
-def rotating_cache(monkeypatch):
-    """Where the cache does not rotate by itself yet: the reference rotation by matmul in its write and
-    gather (vectors × H before encoding, decoded vectors × H after), for caches whose formats say so."""
-    if NATIVE_ROTATE:
-        return
-    write, gather = PagedKVCache.write, PagedKVCache.gather
-
-    def rotated(cache) -> bool:
-        return getattr(cache.formats, "rotate", False)
-
-    def rotating_write(self, layer, k, v, meta):
-        if rotated(self):
-            H = hadamard_matrix(self.head_dim)
-            k, v = k @ H, v @ H
-        write(self, layer, k, v, meta)
-
-    def rotating_gather(self, layer, group):
-        k, v = gather(self, layer, group)
-        if rotated(self):
-            H = hadamard_matrix(self.head_dim)
-            k, v = k @ H, v @ H
-        return k, v
-
-    monkeypatch.setattr(PagedKVCache, "write", rotating_write)
-    monkeypatch.setattr(PagedKVCache, "gather", rotating_gather)
+    return torch.block_diag(*[h / n**0.5] * (d // n))
 
 
 # ---- the kernel's encoder and decoder against formats.py ----------------------------------------
@@ -139,12 +102,13 @@ def test_the_kernel_reads_the_values_the_python_decoder_gives(fmt_name):
     assert torch.equal(out, fmt.decode(parts, torch.float32))
 
 
-@pytest.mark.parametrize("d", [32, 64, 128, 256])
-def test_the_fast_hadamard_transform_is_the_matrix_product(d):
+@pytest.mark.parametrize("d", [32, 64, 96, 128, 256])
+def test_the_fast_hadamard_transform_is_the_matrix_product_and_formats_own_bits(d):
     x = torch.randn(10, d, generator=torch.Generator().manual_seed(d))
     y = x.clone()
     _library()["hadamard"](y.data_ptr(), 10, d)
     torch.testing.assert_close(y, x @ hadamard_matrix(d), rtol=0, atol=1e-5)
+    assert torch.equal(y, hadamard(x))  # the same butterflies as kv/formats.py's: the same bits
     _library()["hadamard"](y.data_ptr(), 10, d)  # H · H = I
     torch.testing.assert_close(y, x, rtol=0, atol=1e-5)
 
@@ -165,21 +129,14 @@ def prompts(n: int, seed: int) -> list[list[int]]:
     return [torch.randint(5, 400, (k,), generator=g).tolist() for k in lengths]
 
 
-def engine_for(loaded, k: str, v: str, rotate: bool, monkeypatch, fused: bool) -> LLMEngine:
-    import kvlab.engine
-
-    plan = kvlab.engine.plan_kv_pool
-    def rotating(*args):  # the same pool, its formats rotating
-        p = plan(*args)
-        return dataclasses.replace(p, formats=RotatedFormats(p.formats.k, p.formats.v))
-
-    if rotate:
-        monkeypatch.setattr(kvlab.engine, "plan_kv_pool", rotating)
-    config = EngineConfig(max_num_batched_tokens=24, kv_memory_bytes=1 << 22, cache_type_k=k, cache_type_v=v)
+def engine_for(loaded, k: str, v: str, rotation: str, fused: bool) -> LLMEngine:
+    config = EngineConfig(max_num_batched_tokens=24, kv_memory_bytes=1 << 22, cache_type_k=k, cache_type_v=v,
+                          kv_rotation=rotation)  # fmt: skip
     engine = LLMEngine(loaded, None, config, policy=ThreadPolicy(fused_decode=fused))
-    monkeypatch.setattr(kvlab.engine, "plan_kv_pool", plan)
-    assert engine.cache.formats.k.name == k and engine.cache.formats.v.name == v
-    assert bool(getattr(engine.cache.formats, "rotate", False)) == rotate
+    formats = engine.cache.formats
+    assert formats.k.name == k and formats.v.name == v
+    assert (formats.rotate_k, formats.rotate_v) == {"on": (True, True), "off": (False, False)}.get(
+        rotation, (unrotated(formats.k).rotate_by_default, unrotated(formats.v).rotate_by_default))  # fmt: skip
     return engine
 
 
@@ -195,16 +152,16 @@ def serve(engine: LLMEngine, batch: list[list[int]], max_tokens: int) -> list[li
     return [done[i] for i in ids]
 
 
-@pytest.mark.parametrize("rotate", [False, True], ids=["plain", "rotated"])
+ROTATIONS = ["off", "on", "auto"]  # auto: q8_0 / q4_0 sides rotated, fp8_e4m3 and float ones not
+
+
+@pytest.mark.parametrize("rotation", ROTATIONS)
 @pytest.mark.parametrize("k,v", SETTINGS, ids=[f"K-{k}-V-{v}" for k, v in SETTINGS])
-def test_one_step_from_the_same_cache_fused_and_through_the_modules(model, k, v, rotate, monkeypatch,
-                                                                    rotating_cache):  # fmt: skip
+def test_one_step_from_the_same_cache_fused_and_through_the_modules(model, k, v, rotation, monkeypatch):
     """Each decode step is run twice from the same cache: fused, then (the cache restored) by the
-    modules; logits within 1e-5, and layer 0's new K/V codes the same bytes (plain formats). Rotated,
-    the kernel's FWHT and the reference's matmul differ in the last bit, which now and then moves a
-    value across a rounding boundary of its format: a code one step away, logits within 1e-4."""
-    tolerance = 1e-4 if rotate else 1e-5
-    engine = engine_for(model, k, v, rotate, monkeypatch, fused=True)
+    modules; logits within 1e-5, and layer 0's new K/V codes and scales the same bytes (its k and v are
+    the same bits on both paths, and so is the rotation)."""
+    engine = engine_for(model, k, v, rotation, fused=True)
     driver, cache = engine.runner.driver, engine.cache
     run, compared = driver.run, []
 
@@ -220,16 +177,14 @@ def test_one_step_from_the_same_cache_fused_and_through_the_modules(model, k, v,
         driver.policy.fused_decode = False
         plain = run(input_ids, kv, meta, logits_index)
         driver.policy.fused_decode = True
-        assert (fused - plain).abs().max() <= tolerance * max(plain.abs().max().item(), 1.0)
+        assert (fused - plain).abs().max() <= 1e-5 * max(plain.abs().max().item(), 1.0)
         slots = meta.slot_mapping
-        for parts_index, parts in enumerate((cache.k_parts[0], cache.v_parts[0])):
+        for side, parts in zip("kv", (cache.k_parts[0], cache.v_parts[0])):
             for t in parts:
                 i = next(j for j, u in enumerate(cache.tensors()) if u is t)
-                mine = after_fused[i].view(-1, *t.shape[2:])[slots]
-                theirs = t.view(-1, *t.shape[2:])[slots]
-                if rotate:  # FWHT and matmul differ in the last bits: compare what the codes mean
-                    continue
-                assert torch.equal(mine.view(torch.uint8), theirs.view(torch.uint8)), f"layer 0 {'kv'[parts_index]}"
+                mine = after_fused[i].view(-1, *t.shape[2:])[slots].view(torch.uint8)
+                theirs = t.view(-1, *t.shape[2:])[slots].view(torch.uint8)
+                assert torch.equal(mine, theirs), f"layer 0 {side}: {(mine != theirs).sum()} bytes differ"
         compared.append(fused.shape)
         return plain
 
@@ -238,33 +193,32 @@ def test_one_step_from_the_same_cache_fused_and_through_the_modules(model, k, v,
     assert len(compared) >= 5  # decode steps were compared
 
 
-@pytest.mark.parametrize("rotate", [False, True], ids=["plain", "rotated"])
+@pytest.mark.parametrize("rotation", ["off", "on"])
 @pytest.mark.parametrize("k,v", SETTINGS[:4], ids=[f"K-{k}-V-{v}" for k, v in SETTINGS[:4]])
-def test_greedy_tokens_fused_and_through_the_modules_agree(model, k, v, rotate, monkeypatch, rotating_cache):
+def test_greedy_tokens_fused_and_through_the_modules_agree(model, k, v, rotation, monkeypatch):
     batch = prompts(5, seed=1) + [prompts(1, seed=1)[0] + [7, 8, 9]]  # the last one shares a prefix
     calls = []
-    fused_engine = engine_for(model, k, v, rotate, monkeypatch, fused=True)
     run = FusedDecode.run
     monkeypatch.setattr(FusedDecode, "run", lambda self, *a: calls.append(1) or run(self, *a))
-    fused = serve(fused_engine, batch, max_tokens=32)
+    fused = serve(engine_for(model, k, v, rotation, fused=True), batch, max_tokens=32)
     assert len(calls) >= 31  # every decode step was fused
-    plain = serve(engine_for(model, k, v, rotate, monkeypatch, fused=False), batch, max_tokens=32)
-    assert len(calls) >= 31 and fused == plain
+    plain = serve(engine_for(model, k, v, rotation, fused=False), batch, max_tokens=32)
+    assert fused == plain
 
 
-def test_the_rotation_changes_what_is_stored(model, monkeypatch, rotating_cache):
-    """Not a no-op: a rotated q8_0 cache holds other codes than a plain one."""
+def test_the_rotation_changes_what_is_stored(model):
+    """Not a no-op: a rotated q8_0 cache written by the fused step holds other codes than a plain one."""
     batch = prompts(2, seed=5)
     stored = {}
-    for rotate in (False, True):
-        engine = engine_for(model, "q8_0", "q8_0", rotate, monkeypatch, fused=True)
+    for rotation in ("off", "on"):
+        engine = engine_for(model, "q8_0", "q8_0", rotation, fused=True)
         serve(engine, batch, max_tokens=4)
-        stored[rotate] = [t.clone() for t in engine.cache.tensors()]
-    assert not all(torch.equal(a, b) for a, b in zip(stored[False], stored[True]))
+        stored[rotation] = [t.clone() for t in engine.cache.tensors()]
+    assert not all(torch.equal(a, b) for a, b in zip(stored["off"], stored["on"]))
 
 
 def test_formats_the_kernel_does_not_read_run_the_modules(model, monkeypatch):
-    engine = engine_for(model, "float16", "float16", False, monkeypatch, fused=True)
+    engine = engine_for(model, "float16", "float16", "off", fused=True)
     calls = []
     run = FusedDecode.run
     monkeypatch.setattr(FusedDecode, "run", lambda self, *a: calls.append(1) or run(self, *a))

@@ -20,10 +20,12 @@
 // p of a sequence is in block table[p / block_size] at offset p % block_size, its vector for kv head g
 // is number (slot · kv_heads + g) of every storage tensor of the layer.
 //
-// With `rotate` (KVFormats.rotate), K and V are stored multiplied by H = Hadamard(D) / sqrt(D)
-// (Sylvester's, symmetric, H·H = I): new k (after RoPE) and v are rotated before they are quantized,
-// q is rotated before scoring ((qH)·(kH) = q·k), and each head's output, a sum of rotated values, is
-// rotated back once. H is applied as a fast Walsh–Hadamard transform, D log D adds.
+// Keys, values or both may be stored rotated (kv/formats.py's `Rotated`: multiplied by H, Sylvester's
+// Hadamard matrix / sqrt(n) on blocks of n values, symmetric, H·H = I). With `rotate_k` the new k
+// (after RoPE) is rotated before it is quantized and q is rotated before scoring, (qH)·(kH) = q·k, so
+// the keys are never rotated back; with `rotate_v` the new v is rotated before it is quantized and
+// each head's output, a sum of rotated values, is rotated back once. H is applied as a fast
+// Walsh–Hadamard transform (n log n adds), the same bits as formats.py's.
 
 #include <math.h>
 #include <stdint.h>
@@ -293,18 +295,21 @@ static inline void prefetch_vector(const KVStore* s, int64_t vec, int64_t D) {
         __builtin_prefetch((const float*)s->scales + vec);
 }
 
-// -- the Hadamard rotation: x ← x · H, H = Sylvester's Hadamard(D) / sqrt(D), D a power of two.
-// The fast Walsh–Hadamard transform: log2 D rounds of butterflies (a, b) → (a + b, a − b).
+// -- the Hadamard rotation: x ← x · H, H block-diagonal with blocks of n = the largest power of two
+// dividing D, each Sylvester's Hadamard(n) / sqrt(n) (kv/formats.py's `hadamard`). The fast
+// Walsh–Hadamard transform: log2 n rounds of butterflies (a, b) → (a + b, a − b), then × 1/sqrt(n):
+// the same operations in the same order as formats.py's, so the same bits.
 
 static void hadamard(float* x, int64_t D) {
-    for (int64_t h = 1; h < D; h *= 2)
+    const int64_t n = D & -D;
+    for (int64_t h = 1; h < n; h *= 2)  // groups of 2h ≤ n values never straddle two blocks
         for (int64_t i = 0; i < D; i += 2 * h)
             for (int64_t j = i; j < i + h; j++) {
                 const float a = x[j], b = x[j + h];
                 x[j] = a + b;
                 x[j + h] = a - b;
             }
-    const float norm = 1.0f / sqrtf((float)D);
+    const float norm = (float)(1.0 / sqrt((double)n));  // n ** -0.5, rounded once to float32
     for (int64_t i = 0; i < D; i++) x[i] *= norm;
 }
 
@@ -341,7 +346,7 @@ typedef struct {
     const int64_t* num_keys;             // [B]: keys each sequence sees, its new token included
     int64_t max_keys;
     float* scratch;                      // kvlab_decode_scratch_floats(...) floats
-    int32_t rotate;                      // K and V stored Hadamard-rotated (KVFormats.rotate)
+    int32_t rotate_k, rotate_v;          // keys / values stored Hadamard-rotated (KVFormats.rotate_k, _v)
 } Step;
 
 // Attention splits each sequence's keys into chunks of CHUNK_KEYS (a fixed size, so that no value
@@ -395,7 +400,7 @@ static void linear(const Linear* l, const float* x, float* y, int64_t m, int64_t
 typedef struct {
     const Layer* layer;
     const Step* step;
-    const float* qkv;  // [B, (H + 2 Hkv) · D], q and k rotated (RoPE; and Hadamard for q with `rotate`)
+    const float* qkv;  // [B, (H + 2 Hkv) · D], q and k rotated (RoPE; and Hadamard with `rotate_k`)
     float* out;        // [B, H · D]
     float* scores;     // [B · H, max_keys]
     float* partial;    // [B, chunks, H, D + 2]: per chunk and head, its max score, sum of weights, Σ weight · v
@@ -545,7 +550,7 @@ static void attend_items(void* ctx, uint32_t begin, uint32_t end) {
 }
 
 // Each head's output from its chunks: Σ_c e^(m_c − m) · o_c / Σ_c e^(m_c − m) · l_c (m the largest
-// m_c), rotated back when the cache holds rotated vectors (a sum of rotated values; H · H = I).
+// m_c), rotated back when the cache holds rotated values (a sum of rotated values; H · H = I).
 static void merge(const Attend* a) {
     const Layer* L = a->layer;
     const Step* S = a->step;
@@ -568,7 +573,7 @@ static void merge(const Attend* a) {
             }
             const float inv = 1.0f / sum;
             for (int64_t i = 0; i < D; i++) o[i] *= inv;
-            if (S->rotate) hadamard(o, D);
+            if (S->rotate_v) hadamard(o, D);
         }
     }
 }
@@ -597,8 +602,11 @@ void kvlab_decode_layer(const Layer* L, const Step* S, float* x, int threads) {
         }
     }
     kvlab_rope_f32(qkv, S->cos, S->signed_sin, B, H + Hkv, D, qkv_row);  // q heads, then k heads, per token
-    if (S->rotate)  // q, k and v of every head into the Hadamard basis the cache is stored in
-        kvlab_hadamard_f32(qkv, B * (H + 2 * Hkv), D);
+    for (int64_t b = 0; b < B; b++) {  // into the Hadamard basis the cache stores: q and k, v
+        float* row = qkv + b * qkv_row;
+        if (S->rotate_k) kvlab_hadamard_f32(row, H + Hkv, D);
+        if (S->rotate_v) kvlab_hadamard_f32(row + (H + Hkv) * D, Hkv, D);
+    }
     for (int64_t b = 0; b < B; b++) {  // the new token's K and V into its slot, in the cache's formats
         const float* row = qkv + b * qkv_row;
         for (int64_t g = 0; g < Hkv; g++) {

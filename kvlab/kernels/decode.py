@@ -9,7 +9,7 @@ model in C structs that point at the model's own tensors; each step only passes 
 rotation, slots, block tables, key counts and the cache's storage tensors. It takes decode-sized
 passes (every token a sequence's next one) on a CPU in float32 under the thread policy's kernel
 rows, with a paged cache whose keys and values are each stored as float32, q8_0, q4_0 or fp8_e4m3
-(kv/formats.py; K and V may differ), Hadamard-rotated or not (`KVFormats.rotate`). The kernel writes
+(kv/formats.py; K and V may differ), each Hadamard-rotated or not (`Rotated`). The kernel writes
 the new token's K and V in the cache's format, the same bytes as the format's `encode`, and attends
 over the stored codes directly: each cached row is decoded to code × scale as it is read (the values
 `decode` gives), so a quantized cache is read in its own bytes — 34 per 32 values for q8_0, not 128.
@@ -59,7 +59,7 @@ class StepDesc(ctypes.Structure):
                 ("k", KVStore), ("v", KVStore), ("block_size", ctypes.c_int64),
                 ("slots", ctypes.c_void_p), ("block_tables", ctypes.c_void_p), ("table_stride", ctypes.c_int64),
                 ("num_keys", ctypes.c_void_p), ("max_keys", ctypes.c_int64), ("scratch", ctypes.c_void_p),
-                ("rotate", ctypes.c_int32)]  # fmt: skip
+                ("rotate_k", ctypes.c_int32), ("rotate_v", ctypes.c_int32)]  # fmt: skip
 
 
 MAX_HEAD_DIM = 512  # decode.c's row buffers
@@ -67,17 +67,14 @@ KV_F32, KV_Q8_0, KV_Q4_0, KV_FP8 = range(4)  # decode.c's ids of the cache's sto
 
 
 def kv_format_id(fmt) -> int | None:
-    """decode.c's id of a KV storage format (kv/formats.py), None for one it does not read."""
-    from kvlab.kv.formats import FP8E4M3, Q4_0, Q8_0, FloatFormat
+    """decode.c's id of a KV storage format (kv/formats.py; a Rotated one: its base's), None for one it
+    does not read."""
+    from kvlab.kv.formats import FP8E4M3, Q4_0, Q8_0, FloatFormat, unrotated
 
+    fmt = unrotated(fmt)
     if isinstance(fmt, FloatFormat):
         return KV_F32 if fmt.dtype == torch.float32 else None
     return {Q8_0: KV_Q8_0, Q4_0: KV_Q4_0, FP8E4M3: KV_FP8}.get(type(fmt))
-
-
-def rotated(formats) -> bool:
-    """Whether the cache stores K and V Hadamard-rotated (KVFormats.rotate, where the field exists)."""
-    return bool(getattr(formats, "rotate", False))
 
 
 def _library():
@@ -182,8 +179,6 @@ class FusedDecode:
             return False
         if kv_format_id(formats.k) is None or kv_format_id(formats.v) is None:
             return False
-        if rotated(formats) and D & (D - 1):
-            return False  # the rotation is a power-of-two head_dim's
         return all(t.is_contiguous() for t in cache.tensors())
 
     def run(self, input_ids: torch.Tensor, cache, meta, logits_index: torch.Tensor, policy: ThreadPolicy):
@@ -199,7 +194,7 @@ class FusedDecode:
         scratch = torch.empty(floats)
         step = StepDesc(B, cos.data_ptr(), sin.data_ptr(), KVStore(), KVStore(), cache.block_size,
                         meta.slot_mapping.data_ptr(), tables.data_ptr(), tables.shape[1], num_keys.data_ptr(),
-                        max_keys, scratch.data_ptr(), int(rotated(cache.formats)))  # fmt: skip
+                        max_keys, scratch.data_ptr(), int(cache.formats.rotate_k), int(cache.formats.rotate_v))  # fmt: skip
         k_fmt, v_fmt = kv_format_id(cache.formats.k), kv_format_id(cache.formats.v)
         run_layer = self.lib["layer"]
         for i, desc in enumerate(self.layers):
