@@ -155,13 +155,11 @@ def serve(engine: LLMEngine, batch: list[list[int]], max_tokens: int) -> list[li
 ROTATIONS = ["off", "on", "auto"]  # auto: q8_0 / q4_0 sides rotated, fp8_e4m3 and float ones not
 
 
-@pytest.mark.parametrize("rotation", ROTATIONS)
-@pytest.mark.parametrize("k,v", SETTINGS, ids=[f"K-{k}-V-{v}" for k, v in SETTINGS])
-def test_one_step_from_the_same_cache_fused_and_through_the_modules(model, k, v, rotation, monkeypatch):
-    """Each decode step is run twice from the same cache: fused, then (the cache restored) by the
-    modules; logits within 1e-5, and layer 0's new K/V codes and scales the same bytes (its k and v are
-    the same bits on both paths, and so is the rotation)."""
-    engine = engine_for(model, k, v, rotation, fused=True)
+def compare_steps(engine: LLMEngine, batch: list[list[int]], max_tokens: int, monkeypatch) -> int:
+    """Serve `batch`, running each decode step twice from the same cache: fused, then (the cache
+    restored) by the modules. Logits within 1e-5, and layer 0's new K/V codes and scales the same
+    bytes (its k and v are the same bits on both paths, and so is the rotation). Returns the steps
+    compared."""
     driver, cache = engine.runner.driver, engine.cache
     run, compared = driver.run, []
 
@@ -189,8 +187,39 @@ def test_one_step_from_the_same_cache_fused_and_through_the_modules(model, k, v,
         return plain
 
     monkeypatch.setattr(driver, "run", both)
-    serve(engine, prompts(4, seed=3), max_tokens=6)
-    assert len(compared) >= 5  # decode steps were compared
+    serve(engine, batch, max_tokens=max_tokens)
+    monkeypatch.setattr(driver, "run", run)
+    return len(compared)
+
+
+@pytest.mark.parametrize("rotation", ROTATIONS)
+@pytest.mark.parametrize("k,v", SETTINGS, ids=[f"K-{k}-V-{v}" for k, v in SETTINGS])
+def test_one_step_from_the_same_cache_fused_and_through_the_modules(model, k, v, rotation, monkeypatch):
+    engine = engine_for(model, k, v, rotation, fused=True)
+    assert compare_steps(engine, prompts(4, seed=3), 6, monkeypatch) >= 5  # decode steps were compared
+
+
+def long_prompts() -> list[list[int]]:
+    """Three prompts past one attention chunk (128 keys): 2 and 3 chunks, of different lengths."""
+    g = torch.Generator().manual_seed(11)
+    return [torch.randint(5, 400, (n,), generator=g).tolist() for n in (140, 300, 255)]
+
+
+@pytest.mark.parametrize("k,v", [("q8_0", "q4_0"), ("float32", "float32")], ids=["K-q8_0-V-q4_0", "float32"])
+def test_keys_in_several_chunks_merge_as_one_softmax(model, k, v, monkeypatch):
+    """Past 128 keys attention is split in chunks merged afterwards: still the modules' logits, and
+    the same bits at one thread and at two (the chunks do not depend on the threads)."""
+    engine = engine_for(model, k, v, "auto", fused=True)
+    assert compare_steps(engine, long_prompts(), 8, monkeypatch) >= 7
+    logits = {}
+    for threads in (1, 2):
+        engine = engine_for(model, k, v, "auto", fused=True)
+        engine.runner.driver.policy.threads = threads
+        record, forward = [], engine.runner.forward
+        engine.runner.forward = lambda inputs: record.append(forward(inputs).clone()) or record[-1]
+        logits[threads] = (serve(engine, long_prompts(), max_tokens=6), record)
+    assert logits[1][0] == logits[2][0]
+    assert all(torch.equal(a, b) for a, b in zip(logits[1][1], logits[2][1]))
 
 
 @pytest.mark.parametrize("rotation", ["off", "on"])
