@@ -3,15 +3,15 @@
 //
 // A decode step of a small model is a few hundred small operations; run one by one from Python each
 // costs microseconds of dispatch, which with 4-bit weights is more than the products themselves take.
-// Here a layer is: RMSNorm, the fused q/k/v product (+ bias), per-head q/k RMSNorm (Qwen3), the
-// rotation, the new K and V written into the paged cache through their slots (quantized there into
+// Here a layer is: RMSNorm, the fused q/k/v product (+ bias), per-head q/k RMSNorm (Qwen3), RoPE,
+// the new K and V written into the paged cache through their slots (quantized there into
 // the cache's format), attention over every cached key of each sequence (read through its block
 // table, straight from the stored codes), the o product and the residual, then RMSNorm, the fused
 // gate/up product, SiLU(gate)·up, the down product and the residual.
 //
 // The products are the library's own kernels (gemv.c for float matrices, quant.c for block formats,
-// on the pool), so they give the same bits as the layer-by-layer path; RMSNorm and the rotation too
-// (the same C functions). Attention and SiLU are computed here in float32: the same values as
+// on the pool), so they give the same bits as the layer-by-layer path; RMSNorm and RoPE too (the
+// same C functions). Attention and SiLU are computed here in float32: the same values as
 // PyTorch's up to the order of sums and the exp implementation. A quantized key or value is decoded
 // here to the very floats formats.py's `decode` gives (code × scale, one rounding at most), one row at
 // a time into registers / L1, never into a float copy of the cache.
@@ -337,7 +337,7 @@ void kvlab_hadamard_f32(float* x, int64_t rows, int64_t D) {
 
 typedef struct {
     int64_t batch;                       // B sequences, one new token each
-    const float *cos, *signed_sin;       // [B, head_dim]: each token's rotation (kvlab/model/rope.py)
+    const float *cos, *signed_sin;       // [B, head_dim]: each token's RoPE angles (kvlab/model/rope.py)
     KVStore k, v;                        // this layer's keys and values, each in its format
     int64_t block_size;
     const int64_t* slots;                // [B]: where each new token's K/V goes

@@ -6,7 +6,7 @@
 
 What a layer holds (norm weights, each matrix's parts and formats, biases) is described once per
 model in C structs that point at the model's own tensors; each step only passes the new tokens'
-rotation, slots, block tables, key counts and the cache's storage tensors. It takes decode-sized
+RoPE angles, slots, block tables, key counts and the cache's storage tensors. It takes decode-sized
 passes (every token a sequence's next one) on a CPU in float32 under the thread policy's kernel
 rows, with a paged cache whose keys and values are each stored as float32, q8_0, q4_0 or fp8_e4m3
 (kv/formats.py; K and V may differ), each Hadamard-rotated or not (`Rotated`). The kernel writes
