@@ -25,6 +25,7 @@ from kvlab.model.loader import LoadedModel
 from kvlab.output.group import RequestGroup
 from kvlab.output.processor import OutputState, StepOutput
 from kvlab.output.result import RequestOutput
+from kvlab.parallel.group import RankFailed
 from kvlab.request import Request, RequestStatus, check_token_ids
 from kvlab.runner.model_runner import ModelRunner
 from kvlab.sampling.params import SamplingParams
@@ -191,6 +192,8 @@ class LLMEngine:
             outputs = [o for r, e in failed if self.has_request(r.group_id) and (o := self._fail(r, e)) is not None]
             outputs += self._update(plan, tokens, step_s=t4 - t0)  # 5. append, stop, detokenize
             t5 = time.perf_counter()
+        except RankFailed:
+            raise  # another rank of a tensor-parallel job is gone: no request can go on (kvlab/parallel)
         except Exception as error:
             return self._fail_step(plan, error)
         phases = dict(zip(STEP_PHASES, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4)))

@@ -22,6 +22,7 @@ def register(subparsers) -> None:
     run.add_argument("--system", help="system message (with --chat, and in the chat)")
     run.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     _add_model_args(run)
+    add_parallel_args(run)
     _add_sampling_args(run)
     run.set_defaults(func=cmd_run, late_positional="prompt")  # `run MODEL --chat "hi"` (cli.parse)
 
@@ -33,6 +34,7 @@ def register(subparsers) -> None:
     chat.add_argument("model", help="registry name, .gguf file, or Hugging Face directory")
     chat.add_argument("--system", help="system message")
     _add_model_args(chat)
+    add_parallel_args(chat)
     _add_sampling_args(chat)
     chat.set_defaults(func=cmd_chat)
 
@@ -66,6 +68,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="tokens through the model per step; longer prompts are prefilled in chunks (default 512)")  # fmt: skip
     g.add_argument("--no-prefix-caching", action="store_true", help="do not reuse K/V of earlier prompts")
     add_kv_cache_args(p)
+
+
+def add_parallel_args(p: argparse.ArgumentParser) -> None:
+    """Tensor parallelism (kvlab/parallel, docs/tensor-parallel.md): this process is one rank of a torchrun job."""
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
+                   help="split the model over N ranks: launch with torchrun --nproc-per-node N -m kvlab ... "
+                        "(--nnodes/--rdzv-endpoint for several hosts); rank 0 prints (default 1)")  # fmt: skip
 
 
 def add_kv_cache_args(p: argparse.ArgumentParser) -> None:
@@ -150,6 +159,10 @@ def check_model_args(args, resolve_dtype: bool = True) -> None:
     if args.max_model_len is not None and args.max_model_len < 2:
         raise KvlabError(f"--max-model-len must be at least 2, got {args.max_model_len}")
     check_device(args.device)
+    if hasattr(args, "tensor_parallel_size"):  # under torchrun: before anything slow
+        from kvlab.parallel.group import launch_rank
+
+        launch_rank(args.tensor_parallel_size)
     hub.ensure_pulled(str(args.model))
     if resolve_dtype and args.dtype == "auto":
         import torch
@@ -175,6 +188,7 @@ def open_llm(args, **overrides):
         threads=args.threads,
         dequantize=getattr(args, "dequantize", False),
         quantization=getattr(args, "quantization", None),
+        tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
         **options,
     )
 
@@ -186,7 +200,7 @@ def open_llm_advised(args):
     llm = open_llm(args)
     note = advice(str(args.model), llm.loaded.path, llm.engine.pool_plan.formats,
                   getattr(args, "dequantize", False), getattr(args, "quantization", None))  # fmt: skip
-    if note:
+    if note and llm.group.is_leader:
         print(note, file=sys.stderr, flush=True)
     return llm
 
@@ -217,10 +231,25 @@ def read_prompt(args) -> str | None:
 
 def cmd_run(args) -> int:
     params = sampling_params(args)  # validate before the slow model load
+    if args.tensor_parallel_size != 1:  # every rank of the torchrun job runs this; rank 0 reads and prints
+        return cmd_chat(args) if args.prompt is None and sys.stdin.isatty() else _run_parallel(args, params)
     prompt = read_prompt(args)
     if prompt is None:
         return cmd_chat(args)
     llm = open_llm_advised(args)
+    return _generate(llm, prompt, params, args)
+
+
+def _run_parallel(args, params) -> int:
+    llm = open_llm_advised(args)
+    prompt = llm.group.broadcast(read_prompt(args) if llm.group.is_leader else None)  # stdin is read once
+    try:
+        return _generate(llm, prompt, params, args)
+    finally:
+        llm.close()
+
+
+def _generate(llm, prompt: str, params, args) -> int:
     warn_if_busy(llm, args)
     if args.chat:
         messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
@@ -230,6 +259,9 @@ def cmd_run(args) -> int:
         stream.output.prompt = prompt
     else:
         stream = llm.stream(prompt, params)
+    if not llm.group.is_leader:  # the other ranks take the same steps, in silence
+        stream.finish()
+        return 0
     if args.json:
         out = stream.finish()
         print(json.dumps(_json_output(llm, out, args), ensure_ascii=False))
@@ -245,6 +277,9 @@ def cmd_run(args) -> int:
 def cmd_chat(args) -> int:
     from kvlab.chat_cli import run_chat
 
+    if args.tensor_parallel_size != 1:
+        raise KvlabError("kvlab chat runs in one process: for tensor parallelism, serve the model "
+                         "(torchrun ... -m kvlab serve MODEL -tp N) and chat through it, or give kvlab run a prompt")
     return run_chat(args)
 
 
@@ -259,9 +294,10 @@ def threads_text(llm, args) -> str:
 
 
 def warn_if_busy(llm, args, file=None) -> None:
-    """One line when --threads asks for more threads than other programs leave cores free."""
+    """One line when --threads asks for more threads than other programs leave cores free (rank 0 says it)."""
     load = llm.cpu_load
-    if args.threads and load is not None and load.is_busy and args.threads > load.threads_for(args.threads):
+    busy = load is not None and load.is_busy and llm.group.is_leader
+    if args.threads and busy and args.threads > load.threads_for(args.threads):
         print(f"kvlab: warning: {load.describe()}; --threads {args.threads} will wait on them "
               f"({load.threads_for(args.threads)} would not)", file=file or sys.stderr)  # fmt: skip
 
@@ -283,6 +319,7 @@ def _json_output(llm, out, args) -> dict:
         weight_format=llm.loaded.weight_format,
         kv_cache_dtype=llm.engine.pool_plan.formats.name,
         weight_bytes=llm.loaded.weight_bytes,
+        tensor_parallel_size=llm.group.world_size,
         load_s=llm.loaded.load_s,
     )
     return d
@@ -299,8 +336,9 @@ def print_report(llm, out, args, file) -> None:
         f"{_mib(m.kv_cache_bytes)} in use for {m.prompt_tokens + m.generated_tokens - 1} tokens, "
         f"{_mib(m.kv_cache_allocated_bytes)} allocated, {llm.engine.pool_plan.formats.description}"
     )  # fmt: skip
+    ranks = f" × {llm.group.world_size} ranks (tensor-parallel: weights and KV per rank)" if llm.group.world_size > 1 else ""
     lines = [
-        f"── {args.model}: {dtype_text(llm, args)} on {args.device}, {threads_text(llm, args)}, weights "
+        f"── {args.model}: {dtype_text(llm, args)} on {args.device}{ranks}, {threads_text(llm, args)}, weights "
         f"{llm.loaded.weight_format} {llm.loaded.weight_bytes / 1e6:.1f} MB, loaded in {llm.loaded.load_s:.2f} s",
         f"prompt     {m.prompt_tokens:6d} tokens   prefill {m.prefill_s:7.3f} s  {m.prefill_tok_s:8.1f} tok/s   "
         f"TTFT {m.ttft_s * 1000:.0f} ms",

@@ -8,10 +8,17 @@
 A list of prompts runs as one continuous batch (`kvlab.engine.LLMEngine`); outputs come back in
 input order, each with its own timings. `stream()` yields text as it is decoded; chat turns reuse
 the previous turns' K/V through the prefix cache.
+
+Tensor parallelism (vLLM's name, and its external-launcher way): launched by torchrun, every rank runs
+the same script, `LLM(model, tensor_parallel_size=N)` joins the job and holds its shard of the weights
+and of the KV cache, and every rank's `generate` runs the same schedule and returns the same outputs.
+
+    torchrun --nproc-per-node 2 script.py      # script.py: LLM("qwen2.5-coder-0.5b", tensor_parallel_size=2)
 """
 
 from __future__ import annotations
 
+import atexit
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -26,6 +33,7 @@ from kvlab.errors import KvlabError
 from kvlab.kernels import ThreadPolicy, cpu_load
 from kvlab.model.loader import load_model
 from kvlab.output.result import RequestOutput
+from kvlab.parallel.group import TPGroup
 from kvlab.sampling import SamplingParams
 
 # a prompt is text, or {"prompt_token_ids": [...]} (vLLM's TokensPrompt) for models without a tokenizer
@@ -54,6 +62,7 @@ class LLM:
         threads: int | None = None,
         dequantize: bool = False,
         quantization: str | None = None,
+        tensor_parallel_size: int = 1,
         **engine_options: Any,
     ):
         """`threads`: CPU threads of this LLM's passes (its own thread policy; default: torch's count, fewer
@@ -61,14 +70,28 @@ class LLM:
         `dequantize`: expand a GGUF file's blocks to `dtype` floats at load (default: compute with them
         as stored). `quantization`: "q8_0" or "q4_0" blocks made from a float checkpoint at load.
         `engine_options` are EngineConfig fields: block_size, kv_memory_bytes, kv_memory_fraction,
-        max_num_seqs, max_num_batched_tokens, enable_prefix_caching, pack_prompts."""
+        max_num_seqs, max_num_batched_tokens, enable_prefix_caching, pack_prompts.
+        `tensor_parallel_size`: the ranks of the torchrun job this process belongs to (kvlab/parallel;
+        a KvlabError outside torchrun or when WORLD_SIZE differs); 1: a model of its own in this process."""
         if threads is not None and threads < 1:
             raise KvlabError(f"threads must be at least 1, got {threads}")
+        self.group = TPGroup.single()
+        if tensor_parallel_size != 1:  # joins the job: every rank gets here, with the same arguments
+            from kvlab.parallel import launch_rank, tensor_parallel
+
+            launch_rank(tensor_parallel_size, api=True)  # a launch that does not match: say how to launch
+            self.group = tensor_parallel(tensor_parallel_size, device)
+            atexit.register(self.group.close)  # rank 0's shared-memory segment, if close() is never called
+            device = self.group.device  # cuda: the rank's own device (LOCAL_RANK)
         before_load = cpu_load.snapshot() if torch.device(device).type == "cpu" else None
         self.loaded = load_model(model, dtype=dtype, device=device, max_positions=max_model_len,
                                  dequantize=dequantize, quantization=quantization)  # fmt: skip
         # other programs' load on our CPUs while the model loaded: fewer threads when they hold a core
         self.cpu_load = cpu_load.measure(before_load)
+        if self.group.world_size > 1:
+            from kvlab.parallel import shard_model
+
+            self.loaded = shard_model(self.loaded, self.group)  # this rank's shard of every layer
         default = torch.get_num_threads()
         self.policy = ThreadPolicy(threads=threads or (self.cpu_load.threads_for(default) if self.cpu_load else default))
         self.config = self.loaded.config
@@ -77,8 +100,16 @@ class LLM:
             engine_config = EngineConfig(max_model_len=max_model_len, use_cache=use_cache, **engine_options)
         except TypeError as e:
             raise KvlabError(f"unknown engine option: {e}") from None
+        if self.group.world_size > 1:
+            from kvlab.parallel import agree_engine_config
+
+            engine_config = agree_engine_config(engine_config, self.loaded, self.group)
         self.engine = LLMEngine(self.loaded, self.tokenizer, engine_config, policy=self.policy)
         self._streams: dict[str, TextStream] = {}
+
+    def close(self) -> None:
+        """Leave the tensor-parallel job (its process group, the shared-memory segment); nothing for one process."""
+        self.group.close()
 
     # ---- prompts ---------------------------------------------------------------------------
 

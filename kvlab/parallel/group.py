@@ -48,16 +48,8 @@ class TPGroup:
     def from_environment(cls, tensor_parallel_size: int, device="cpu", timeout_s: float = DEFAULT_TIMEOUT_S) -> TPGroup:
         """The group torchrun launched this process into; its world size must be `tensor_parallel_size`."""
         device = torch.device(device)
-        world = int(os.environ.get("WORLD_SIZE", "1"))
-        if tensor_parallel_size < 1:
-            raise KvlabError(f"--tensor-parallel-size must be at least 1, got {tensor_parallel_size}")
-        if tensor_parallel_size == 1 and world == 1:
+        if launch_rank(tensor_parallel_size) is None:
             return cls(device=device, timeout_s=timeout_s)
-        if world != tensor_parallel_size:
-            raise KvlabError(
-                f"--tensor-parallel-size {tensor_parallel_size} needs that many processes: launch it with "
-                f"torchrun --nproc-per-node {tensor_parallel_size} -m kvlab ... (this process sees a world of {world})"
-            )
         import torch.distributed as dist
 
         if not dist.is_initialized():
@@ -129,6 +121,12 @@ class TPGroup:
         self._run("broadcast", lambda: dist.broadcast_object_list(box, src=0))
         return box[0]
 
+    def smallest(self, value: int) -> int:
+        """The smallest of every rank's `value`, on every rank (a size each of them can hold)."""
+        if self.world_size == 1:
+            return value
+        return int(self.all_gather(torch.tensor([value], dtype=torch.int64, device=self.device), 0).min())
+
     def take_comm_seconds(self) -> tuple[float, int]:
         """(seconds in collectives, how many) since the last call."""
         out = (self.comm_s, self.num_collectives)
@@ -144,3 +142,36 @@ class TPGroup:
 
             if dist.is_initialized():
                 dist.destroy_process_group()
+
+
+def launch_rank(tensor_parallel_size: int, api: bool = False) -> int | None:
+    """This process's rank in the torchrun job that `tensor_parallel_size` asks for; None for a plain
+    process (a size of 1 outside torchrun). Reads only torchrun's variables (RANK, WORLD_SIZE), so it
+    answers before anything slow; a launch that does not match is a KvlabError saying how to launch."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    flag, command = ("tensor_parallel_size=", "SCRIPT.py") if api else ("--tensor-parallel-size ", "-m kvlab ...")
+    if tensor_parallel_size < 1:
+        raise KvlabError(f"{flag.strip()} must be at least 1, got {tensor_parallel_size}")
+    if tensor_parallel_size == 1 and world == 1:
+        return None
+    if world == 1:
+        raise KvlabError(
+            f"{flag}{tensor_parallel_size} needs {tensor_parallel_size} processes: launch with "
+            f"torchrun --nproc-per-node {tensor_parallel_size} {command} (or python -m torch.distributed.run)"
+        )
+    if world != tensor_parallel_size:
+        raise KvlabError(f"{flag}{tensor_parallel_size} does not match the {world} processes torchrun launched "
+                         f"(WORLD_SIZE={world}): give {flag}{world}, or launch {tensor_parallel_size}")  # fmt: skip
+    return int(os.environ.get("RANK", "0"))
+
+
+def collective_timeout_s() -> float:
+    """The collectives' deadline: $KVLAB_TP_TIMEOUT_S seconds, or DEFAULT_TIMEOUT_S."""
+    text = os.environ.get("KVLAB_TP_TIMEOUT_S")
+    try:
+        value = DEFAULT_TIMEOUT_S if text is None else float(text)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise KvlabError(f"KVLAB_TP_TIMEOUT_S must be a number of seconds above 0, got {text!r}")
+    return value

@@ -10,18 +10,21 @@ head's shards are all-gathered) with the same seeds (rank 0 gives every unseeded
 one). Before each step, rank 0 broadcasts what changed since the last one; a request's text is only
 delivered on rank 0.
 
-The broadcasts go through a control group whose deadline is long (a server may sit idle for hours
-between requests); the model's all-reduces keep the short one, so a rank that stops answering in the
-middle of a step ends the job within its timeout.
+The broadcasts go through a control group whose deadline is long: the other ranks wait there while
+a server sits idle for hours between requests. Rank 0 does not wait that long: its side of each
+broadcast runs in a helper thread that it gives the group's short deadline (a rank that stopped
+answering never takes its share, and gloo would hold rank 0 for days). The model's all-reduces keep
+the short deadline too, so a rank that stops answering ends the job within its timeout.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import datetime
 import random
 
-from kvlab.parallel.group import TPGroup
+from kvlab.parallel.group import RankFailed, TPGroup
 
 IDLE_TIMEOUT = datetime.timedelta(days=7)
 
@@ -33,10 +36,13 @@ class SpmdEngine:
         self.engine, self.group = engine, group
         self._events: list[tuple] = []  # rank 0: what the other ranks must apply before the next step
         self._control = None
+        self._sender = None  # rank 0: the thread its broadcasts run in, under the short deadline
         if group.world_size > 1:
             import torch.distributed as dist
 
             self._control = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
+            if group.is_leader:
+                self._sender = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvlab-spmd")
 
     def __getattr__(self, name):  # everything else (stats, kv, ledger, max_model_len, ...) is the engine's
         return getattr(self.engine, name)
@@ -86,8 +92,16 @@ class SpmdEngine:
     # ---- the control channel -----------------------------------------------------------------------
 
     def _publish(self, events: list[tuple]) -> None:
-        if self._control is not None:
-            self._broadcast(events)
+        if self._control is None:
+            return
+        sent = self._sender.submit(self._broadcast, events)
+        try:
+            sent.result(timeout=self.group.timeout_s)
+        except concurrent.futures.TimeoutError:
+            raise RankFailed(
+                f"rank 0: the broadcast of the step's requests did not complete: another rank of the "
+                f"tensor-parallel job died or stopped answering within {self.group.timeout_s:g} s; the job ends"
+            ) from None
 
     def _receive(self) -> list[tuple]:
         return self._broadcast(None)

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from kvlab.engine import LLMEngine
+from kvlab.errors import KvlabError
 from kvlab.output.processor import StepOutput
 from kvlab.output.result import RequestOutput
 from kvlab.sampling import SamplingParams
@@ -111,7 +112,8 @@ class AsyncEngine:
                         self._deliver(out)
                     self._fail_forgotten()  # a few dict lookups a step
         except BaseException as e:  # the engine is broken: fail every request rather than hang them
-            logger.exception("the engine thread stopped")
+            if not isinstance(e, KvlabError):  # a KvlabError (a rank of the job gone) says it in one line
+                logger.exception("the engine thread stopped")
             self.error = e
             for rid in list(self._listeners):
                 self._deliver_error(rid, e)

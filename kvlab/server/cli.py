@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import argparse
 import errno
+import io
 import logging
 import os
+import signal
 import socket
 import sys
 
@@ -46,9 +48,10 @@ def register(subparsers) -> None:
     g.add_argument("--max-messages", type=int, default=1024, help="messages in one chat request (default 1024)")
     g.add_argument("--max-prompt-chars", type=int, default=None,
                    help="characters in one prompt (default: the context × the longest token, more cannot fit)")  # fmt: skip
-    from kvlab.generate_cli import _add_model_args
+    from kvlab.generate_cli import _add_model_args, add_parallel_args
 
     _add_model_args(p)
+    add_parallel_args(p)
     p.set_defaults(func=cmd_serve)
 
 
@@ -66,6 +69,9 @@ def cmd_serve(args) -> int:
             raise KvlabError(f"--{flag.replace('_', '-')} must be at least 1, got {value}")
     check_model_args(args)
     _check_web_stack()
+    from kvlab.parallel.group import launch_rank
+
+    leader = launch_rank(args.tensor_parallel_size) in (None, 0)  # tensor-parallel: rank 0 serves and prints
     config = ServerConfig(
         model_name=args.served_model_name or str(args.model),
         api_keys=_list(args.api_key or [os.environ.get("KVLAB_API_KEY") or ""]),
@@ -80,19 +86,22 @@ def cmd_serve(args) -> int:
         max_messages=args.max_messages,
         max_prompt_chars=args.max_prompt_chars,
     )
-    sock = listen(args.host, args.port)  # before loading: a port in use fails in a second, not after the model
+    sock = listen(args.host, args.port) if leader else None  # before loading: a port in use fails in a second
     try:
         options = engine_options(args)
-        plan, planned_weights = print_plan(args, options)
+        plan, planned_weights = print_plan(args, options, file=None if leader else io.StringIO())
         options["kv_memory_bytes"] = plan.nbytes  # allocate exactly what was planned
         from kvlab.generate_cli import open_llm
 
         llm = open_llm(args, **options)
-        print_measured(llm, plan, planned_weights)
+        if leader:
+            print_measured(llm, plan, planned_weights)
     except BaseException:
-        sock.close()
+        if sock is not None:
+            sock.close()
         raise
-    code = run_server(llm, config, sock, args.log_level)
+    code = run_ranks(llm, config, sock, args.log_level) if llm.group.world_size > 1 else \
+        run_server(llm, config, sock, args.log_level)
     # The server has stopped and nothing is left to save, but tearing the interpreter down (torch,
     # the weights, the tokenizer) takes seconds: flush and leave now, so that a stop is quick.
     logging.shutdown()
@@ -126,10 +135,28 @@ def listen(host: str, port: int) -> socket.socket:
     return sock
 
 
+def run_ranks(llm, config, sock: socket.socket | None, log_level: str) -> int:
+    """Tensor parallel: rank 0 serves HTTP, its engine thread driving an SpmdEngine (each step's new
+    requests and aborts broadcast first); the other ranks step with it until it stops."""
+    from kvlab.parallel import SpmdEngine
+
+    spmd = SpmdEngine(llm.engine, llm.group)
+    try:
+        if llm.group.is_leader:
+            return run_server(llm, config, sock, log_level, driver=spmd)
+        for sig in (signal.SIGINT, signal.SIGTERM):  # torchrun and a terminal signal every rank: rank 0 decides
+            signal.signal(sig, signal.SIG_IGN)
+        spmd.run_worker()
+        return 0
+    finally:
+        llm.close()  # rank 0 unlinks the shared-memory segment
+
+
 SHUTDOWN_GRACE_S = 10.0  # after Ctrl-C, running requests get this long to finish before they are aborted
 
 
-def run_server(llm, config, sock: socket.socket, log_level: str = "warning") -> int:
+def run_server(llm, config, sock: socket.socket, log_level: str = "warning", driver=None) -> int:
+    """Serve until stopped. `driver`: what the engine thread steps instead of `llm.engine` (an SpmdEngine)."""
     import uvicorn
 
     from kvlab.server import access_log
@@ -138,7 +165,7 @@ def run_server(llm, config, sock: socket.socket, log_level: str = "warning") -> 
 
     access_log.configure(log_level)  # one line per request, as vLLM and llama.cpp print
     host, port = sock.getsockname()[:2]
-    engine = AsyncEngine(llm.engine)
+    engine = AsyncEngine(driver or llm.engine)
     app = create_app(llm, engine, config)
     auth = "Bearer key required on /v1 and /metrics" if config.api_keys else "no API key"
     uv_config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=SHUTDOWN_GRACE_S + 5)
@@ -148,12 +175,24 @@ def run_server(llm, config, sock: socket.socket, log_level: str = "warning") -> 
     print(f"serving '{config.model_name}' on http://{shown}:{port}  (OpenAI API under /v1; /metrics, /health; "
           f"{auth}). Ctrl-C stops.", file=sys.stderr, flush=True)  # fmt: skip
     server.run(sockets=[sock])
+    if driver is not None and engine.error is None and engine.stopped.wait(llm.group.timeout_s):
+        _stop_ranks(driver)
     if engine.error is not None:
         print(f"kvlab serve: the engine stopped ({type(engine.error).__name__}: {engine.error}); exiting",
               file=sys.stderr)  # fmt: skip
         return 1
     print("kvlab serve: stopped", file=sys.stderr)
     return 0
+
+
+def _stop_ranks(driver) -> None:
+    """The engine thread has stopped: tell the other ranks to stop too (a rank already gone cannot hear it)."""
+    from kvlab.parallel import RankFailed
+
+    try:
+        driver.close()
+    except RankFailed:
+        pass
 
 
 def graceful_server(config, engine):
@@ -223,6 +262,11 @@ def print_plan(args, options: dict, file=None):
 
     file = file or sys.stderr
     config, path = read_config(str(args.model))
+    ranks = getattr(args, "tensor_parallel_size", 1)
+    if ranks > 1:
+        from kvlab.parallel import shard_config
+
+        config = shard_config(config, ranks)  # what one rank holds: its heads, its share of the MLP
     dtype = parse_dtype(args.dtype)
     plan = plan_kv_pool(EngineConfig(max_model_len=args.max_model_len, **options), config, dtype,
                         torch.device(args.device))  # the engine plans with the same call once loaded
@@ -233,7 +277,8 @@ def print_plan(args, options: dict, file=None):
         weights = weight_bytes(config, fmt="auto" if stored else args.quantization or args.dtype).bytes
     except KvlabError:
         weights = None
-    print(f"kvlab serve {args.model}: memory plan ({args.dtype} on {args.device})", file=file)
+    per_rank = f", per rank of {ranks}" if ranks > 1 else ""
+    print(f"kvlab serve {args.model}: memory plan ({args.dtype} on {args.device}{per_rank})", file=file)
     print(f"  weights            {_gb(weights):>12}", file=file)
     print(f"  KV pool            {_gb(plan.nbytes):>12}   {plan.num_blocks:,} blocks × {plan.block_size} tokens = "
           f"{plan.num_tokens:,} tokens, {plan.bytes_per_token:,} B per token ({plan.source})", file=file)  # fmt: skip
