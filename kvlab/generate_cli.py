@@ -336,7 +336,8 @@ def print_report(llm, out, args, file) -> None:
         f"{_mib(m.kv_cache_bytes)} in use for {m.prompt_tokens + m.generated_tokens - 1} tokens, "
         f"{_mib(m.kv_cache_allocated_bytes)} allocated, {llm.engine.pool_plan.formats.description}"
     )  # fmt: skip
-    ranks = f" × {llm.group.world_size} ranks (tensor-parallel: weights and KV per rank)" if llm.group.world_size > 1 else ""
+    world = llm.group.world_size
+    ranks = f" × {world} ranks (tensor-parallel: weights and KV per rank)" if world > 1 else ""
     lines = [
         f"── {args.model}: {dtype_text(llm, args)} on {args.device}{ranks}, {threads_text(llm, args)}, weights "
         f"{llm.loaded.weight_format} {llm.loaded.weight_bytes / 1e6:.1f} MB, loaded in {llm.loaded.load_s:.2f} s",

@@ -119,11 +119,34 @@ def test_a_world_that_does_not_match_is_one_line_and_exit_2(tiny_chat_model, mon
         assert code == 2 and len(err) == 1 and says in err[0], err
 
 
-# ---- kvlab serve ----------------------------------------------------------------------------------------
+# ---- kvlab serve, and a rank that stops answering ----------------------------------------------------------
+
+
+def ranks_of(torchrun_pid: int) -> dict[int, int]:
+    """torchrun's workers, rank → pid: its descendants with RANK in their environment."""
+    parents = {}
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit():
+                parents[int(proc.name)] = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except OSError:  # gone meanwhile
+            continue
+    family, out = {torchrun_pid}, {}
+    for _ in range(4):  # children, grandchildren, ...
+        family |= {pid for pid, parent in parents.items() if parent in family}
+    for pid in family - {torchrun_pid}:
+        try:
+            env = dict(v.split("=", 1) for v in Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in v)
+            command = Path(f"/proc/{pid}/cmdline").read_text().split("\0")
+        except OSError:
+            continue
+        if "RANK" in env and "-m" in command and command[command.index("-m") + 1] == "kvlab":  # not a helper
+            out[int(env["RANK"])] = pid
+    return out
 
 
 class Server:
-    """A `kvlab serve` process (or torchrun job) on a free port; its stderr lines as they come."""
+    """`kvlab serve` (or a torchrun job of it) on a free port, in a session of its own; its stderr lines as they come."""
 
     def __init__(self, cmd: list[str], env: dict | None = None):
         self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, cwd=ROOT,
@@ -144,35 +167,16 @@ class Server:
             self.err.append(line)
             self.lines.put(line)
 
-    def post(self, path: str, body: dict) -> httpx.Response:
-        return httpx.post(self.url + path, json=body, timeout=120)
-
     def ranks(self) -> dict[int, int]:
-        """torchrun's workers, rank → pid: its descendants with RANK in their environment."""
-        parents = {}
-        for proc in Path("/proc").iterdir():
-            try:
-                if proc.name.isdigit():
-                    parents[int(proc.name)] = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except OSError:  # gone meanwhile
-                continue
-        family, out = {self.proc.pid}, {}
-        for _ in range(4):  # children, grandchildren, ...
-            family |= {pid for pid, parent in parents.items() if parent in family}
-        for pid in family - {self.proc.pid}:
-            try:
-                env = dict(v.split("=", 1) for v in Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in v)
-                command = Path(f"/proc/{pid}/cmdline").read_text().split("\0")
-            except OSError:
-                continue
-            if "RANK" in env and "-m" in command and command[command.index("-m") + 1] == "kvlab":  # not a helper
-                out[int(env["RANK"])] = pid
-        return out
+        return ranks_of(self.proc.pid)
 
     def stop(self) -> None:
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(30)
+
+    def post(self, path: str, body: dict) -> httpx.Response:
+        return httpx.post(self.url + path, json=body, timeout=120)
 
 
 REQUESTS = [
@@ -237,3 +241,24 @@ def test_a_rank_that_stops_answering_ends_the_server_in_one_line(tiny_chat_model
         assert "Traceback" not in rank0, rank0[-3000:]  # torchrun's own report comes after it
     finally:
         tp.stop()
+
+
+@pytest.mark.slow
+def test_a_rank_that_stops_answering_ends_kvlab_run_in_one_line(tiny_chat_model):
+    cmd = torchrun_cmd("-m", "kvlab", "run", str(tiny_chat_model), "hello", "--max-tokens", "480", "--ignore-eos",
+                       "-tp", "2", *SMALL[:4], "--max-model-len", "512")  # fmt: skip
+    env = {k: v for k, v in ENV.items() if k not in ("WORLD_SIZE", "RANK")}
+    job = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT, start_new_session=True,
+                           env={**env, "KVLAB_TP_TIMEOUT_S": "5"})  # fmt: skip
+    try:
+        assert job.stdout.read(1)  # rank 0 has begun to print its answer: both ranks are generating
+        os.kill(ranks_of(job.pid)[1], signal.SIGSTOP)
+        _, err = job.communicate(timeout=120)
+        err = err.decode(errors="replace")
+        kvlab_lines = [x for x in err.splitlines() if x.startswith("kvlab:")]  # torchrun adds "kvlab FAILED"
+        assert job.returncode != 0 and len(kvlab_lines) == 1, err[-3000:]
+        assert kvlab_lines[0].startswith("kvlab: error: rank 0: ") and "stopped answering within 5 s" in kvlab_lines[0]
+        assert "Traceback" not in err[: err.index(kvlab_lines[0])]
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)

@@ -57,7 +57,11 @@ class TPGroup:
             if device.type == "cuda":
                 device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
                 torch.cuda.set_device(device)
-            dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+            try:
+                dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+            except RuntimeError as e:  # the rendezvous: a rank that never came (DistStoreError is one)
+                raise RankFailed(f"rank {os.environ.get('RANK', '?')}: joining the tensor-parallel job failed "
+                                 f"({str(e).splitlines()[0][:200]}) within {timeout_s:g} s") from None  # fmt: skip
         group = cls(rank=dist.get_rank(), world_size=dist.get_world_size(), timeout_s=timeout_s, device=device)
         if device.type == "cpu":
             from kvlab.parallel.shm import SharedMemoryAllReduce
