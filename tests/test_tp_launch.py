@@ -171,12 +171,19 @@ class Server:
         return ranks_of(self.proc.pid)
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(30)
+        kill(self.proc)
 
     def post(self, path: str, body: dict) -> httpx.Response:
         return httpx.post(self.url + path, json=body, timeout=120)
+
+
+def kill(proc: subprocess.Popen) -> None:
+    """A job and its ranks, if still there: torchrun starts each rank in a session of its own."""
+    if proc.poll() is None:
+        for pid in ranks_of(proc.pid).values():
+            os.kill(pid, signal.SIGKILL)
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(30)
 
 
 REQUESTS = [
@@ -260,5 +267,4 @@ def test_a_rank_that_stops_answering_ends_kvlab_run_in_one_line(tiny_chat_model)
         assert kvlab_lines[0].startswith("kvlab: error: rank 0: ") and "stopped answering within 5 s" in kvlab_lines[0]
         assert "Traceback" not in err[: err.index(kvlab_lines[0])]
     finally:
-        if job.poll() is None:
-            os.killpg(job.pid, signal.SIGKILL)
+        kill(job)
