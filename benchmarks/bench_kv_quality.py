@@ -39,7 +39,9 @@ def main(argv=None) -> int:
     p.add_argument("models", nargs="+")
     p.add_argument("--tokens", type=int, default=8192)
     p.add_argument("--window", type=int, default=2048)
+    p.add_argument("--settings", help="comma-separated K:V:rotation triples (default: the whole list)")
     args = p.parse_args(argv)
+    settings = SETTINGS if not args.settings else [tuple(t.split(":")) for t in args.settings.split(",")]
     print("| model | K | V | rotated | mean KLD | p99 KLD | same top | ppl (float32 KV → this) | verdict |")
     print("|---|---|---|---|---|---|---|---|---|")
     for name in args.models:
@@ -50,13 +52,13 @@ def main(argv=None) -> int:
         bos = tokenizer.bos_token_id if tokenizer.encode("", add_special_tokens=True)[:1] == [tokenizer.bos_token_id] else None
         policy = ThreadPolicy()
         cands = []
-        for k, v, rotation in SETTINGS:
+        for k, v, rotation in settings:
             formats = KVFormats.resolve(cache_type_k=k, cache_type_v=v, rotation=rotation)
             cands.append(Candidate(f"{formats.description} KV, weights as stored", loaded, formats, policy))
         reference = Candidate("float32 KV", loaded, KVFormats.plain(torch.float32), policy)
         results = measure(reference, cands, ids, window=args.window, chunk=512, bos=bos,
                           progress=lambda d, t: print(f"  {name}: window {d}/{t}", file=sys.stderr, flush=True))  # fmt: skip
-        for (k, v, rotation), cand, r in zip(SETTINGS, cands, results):
+        for (k, v, rotation), cand, r in zip(settings, cands, results):
             record = {**r.to_dict(), "model": name, "text": what, "window": args.window, "kv_k": k, "kv_v": v,
                       "kv_rotation": [cand.formats.rotate_k, cand.formats.rotate_v], "weights": "as stored",
                       "dtype": "float32"}  # fmt: skip
