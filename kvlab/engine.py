@@ -27,7 +27,7 @@ from kvlab.output.processor import OutputState, StepOutput
 from kvlab.output.result import RequestOutput
 from kvlab.parallel.group import RankFailed
 from kvlab.request import Request, RequestStatus, check_token_ids
-from kvlab.runner.model_runner import ModelRunner
+from kvlab.runner.model_runner import ModelRunner, row_groups
 from kvlab.sampling.params import SamplingParams
 from kvlab.sampling.sampler import BatchSampler
 from kvlab.sampling.structured import GrammarCompiler
@@ -67,6 +67,10 @@ class LLMEngine:
         sampler = BatchSampler(self.vocab_size, model.device, self.grammars)
         self.runner = ModelRunner(model, self.cache, pack_prompts=config.pack_prompts, policy=policy, sampler=sampler)
         self.stats = EngineStats()
+        # speculative decoding (spec_decode/): a proposer drafts, the runner's sample verifies
+        from kvlab.spec_decode import SpecDecoder
+
+        self.spec = self.runner.spec = SpecDecoder.create(config.speculative_config, self)
         self._states: dict[str, tuple[Request, OutputState]] = {}  # per sequence (a request, or one of its choices)
         self._groups: dict[str, RequestGroup] = {}  # per request id: its choices
         self._ids = itertools.count()
@@ -178,6 +182,8 @@ class LLMEngine:
         """
         plan = None
         try:
+            if self.spec is not None:  # 0. drafted tokens for the decodes (verified in this step's forward)
+                self.spec.propose(self.scheduler.running)
             t0 = time.perf_counter()
             plan = self.scheduler.schedule()  # 1. which requests, how many tokens each
             t1 = time.perf_counter()
@@ -198,6 +204,10 @@ class LLMEngine:
             return self._fail_step(plan, error)
         phases = dict(zip(STEP_PHASES, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4)))
         self.stats.record_step(phases, plan.num_tokens, tokens.num_sampled)
+        if self.spec is not None:
+            pure = all(c.is_decode or c.spec_token_ids for c in plan.chunks)
+            self.spec.record_step(t5 - t0, pure, sum(1 for c in plan.chunks if c.spec_token_ids), tokens.num_sampled,
+                                  plan.num_tokens)  # fmt: skip
         return outputs
 
     # ---- step-failure isolation: an exception in a step ends that step's requests, not the engine ----
@@ -216,9 +226,9 @@ class LLMEngine:
         except Exception:
             if len(requests) <= 1:
                 raise
-        for i, request in enumerate(requests):
+        for request, lo, hi in row_groups(requests):  # a verifying request's k + 1 rows stay together
             try:
-                tokens.merge(self.runner.sample([request], logits[i : i + 1]))
+                tokens.merge(self.runner.sample(requests[lo:hi], logits[lo:hi]))
             except Exception as error:
                 failed.append((request, error))
         return tokens, failed
@@ -248,6 +258,11 @@ class LLMEngine:
 
     def _update(self, plan: SchedulerOutput, tokens: StepResult, step_s: float) -> list[StepOutput]:
         self._account(plan, step_s)
+        for c in plan.chunks:  # speculation's counts: drafted, accepted (before the scheduler forgets the drafts)
+            rid = c.request.request_id
+            if c.spec_token_ids and rid in tokens.sampled_token_ids:
+                k = len(c.spec_token_ids)
+                self.spec.observe(c.request, k, k - tokens.num_rejected_tokens.get(rid, 0))
         now = time.perf_counter()
         self._add_prompt_logprobs(tokens)
         outputs = []
@@ -302,7 +317,7 @@ class LLMEngine:
         n = len(plan.chunks)
         for c in plan.chunks:
             t = c.request.timings
-            if c.num_new_tokens == 1 and c.start >= c.request.num_prompt_tokens:
+            if (c.num_new_tokens == 1 or c.spec_token_ids) and c.start >= c.request.num_prompt_tokens:
                 t.decode_steps += 1
                 t.decode_batch_sum += n
             else:
@@ -324,6 +339,9 @@ class LLMEngine:
         m.prefill_shared_steps, m.decode_steps = t.prefill_shared_steps, t.decode_steps
         m.mean_decode_batch = t.decode_batch_sum / t.decode_steps if t.decode_steps else 0.0
         m.num_preemptions = request.num_preemptions
+        if self.spec is not None:
+            s = request.spec_stats
+            m.spec_decoding = self.spec.report(s).to_dict() if s is not None else None
         held = request.num_computed_tokens if self.config.use_cache else 0
         layout, bs, per_block = self.pool_plan.layout, self.kv.block_size, self.pool_plan.bytes_per_block
         m.kv_blocks = layout.blocks_for_sequence(held, bs)  # sliding groups: only the window's blocks
@@ -338,6 +356,8 @@ class LLMEngine:
         self._fill_metrics(request, output)
         output.metrics.peak_memory_bytes = peak_memory_bytes(self.cache.device)
         self.runner.release(request.request_id)
+        if self.spec is not None:
+            self.spec.release(request.request_id)
         del self._states[request.request_id]
         out.choice_finished = True
         out.finished = self._groups[request.group_id].finish(request.request_id)

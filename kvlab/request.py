@@ -55,7 +55,7 @@ class RequestTimings:
     prefill_chunks: int = 0  # engine steps that carried part of its prompt (chunked prefill, recomputation)
     prefill_shared_steps: int = 0  # of those, steps that also carried other requests' tokens
     prefill_compute_s: float = 0.0  # total time of those steps (the request shared them)
-    decode_steps: int = 0  # steps that fed back one generated token
+    decode_steps: int = 0  # steps that fed back one generated token (and checked its drafted tokens)
     decode_batch_sum: int = 0  # requests in each of those steps, summed (→ mean batch it decoded in)
 
 
@@ -83,6 +83,11 @@ class Request:
     index: int = 0  # which choice this sequence is (its seed is seed + index)
     fork_ids: tuple[str, ...] = ()  # the other choices, forked from this one when its prompt is done
     num_prompt_logprobs: int = 0  # prompt positions whose log-probabilities were computed (prompt_logprobs)
+    # speculative decoding: tokens a proposer drafted after the last one, checked by the next step's
+    # forward (never in all_token_ids until accepted), and the request's counts (spec_decode/metrics.py)
+    spec_token_ids: list[int] = field(default_factory=list)
+    spec_draft_probs: object | None = None  # the draft model's q of each drafted token (a tensor [k, V]), sampled requests
+    spec_stats: object | None = None
     timings: RequestTimings = field(init=False)
 
     def __post_init__(self) -> None:

@@ -34,6 +34,8 @@ class EngineConfig:
     cache_type_k: str | None = None
     cache_type_v: str | None = None
     kv_rotation: str = "auto"  # Hadamard-rotate K and V before quantizing (kv/formats.py)
+    # speculative decoding (config/speculative.py): a SpeculativeConfig, its dict or JSON; None: off
+    speculative_config: object = None
 
     def context_len(self, model: ModelConfig) -> int:
         """Tokens a sequence may hold: --max-model-len, or the model's trained context; never more than that."""

@@ -52,12 +52,12 @@ class OutputState:
         self.num_seen = request.num_output_tokens
         out, text, shown = self.choice, [], []
         for i, token in enumerate(new):
+            if self.stop_hit:  # a stop string ended it inside a step's accepted drafts: the rest is dropped
+                break
             out.token_ids.append(token)
             lp = logprobs[i] if logprobs and i < len(logprobs) else None
             if lp is not None and out.cumulative_logprob is not None:
                 out.cumulative_logprob += lp.logprob
-            if self.stop_hit:
-                continue
             if token in request.eos_token_ids and not request.params.ignore_eos:
                 continue  # the end-of-sequence token itself is never shown
             if lp is not None and out.logprobs is not None:

@@ -35,6 +35,9 @@ class RequestMetrics:
     mean_decode_batch: float = 0.0  # requests per step, averaged over its decode steps
     num_preemptions: int = 0  # times its blocks were taken back and its tokens recomputed
     kv_blocks: int = 0  # KV blocks it held at the end
+    # speculative decoding: its drafted / accepted / per-position counts, α, mean acceptance length and
+    # the speedup predicted from them beside the measured one (spec_decode/: SpecReport.to_dict); None: off
+    spec_decoding: dict | None = None
 
     @property
     def prefill_tokens(self) -> int:
@@ -63,7 +66,10 @@ class RequestMetrics:
                 "decode_s", "decode_steps", "mean_decode_batch", "tpot_s", "prompt_tokens", "cached_prompt_tokens",
                 "prefill_tokens", "generated_tokens", "num_preemptions", "kv_blocks", "kv_cache_bytes")  # fmt: skip
         d = self.to_dict()
-        return {k: round(d[k], 6) if isinstance(d[k], float) else d[k] for k in keys}
+        split = {k: round(d[k], 6) if isinstance(d[k], float) else d[k] for k in keys}
+        if self.spec_decoding is not None:
+            split["spec_decoding"] = self.spec_decoding
+        return split
 
     def to_dict(self) -> dict:
         d = asdict(self)

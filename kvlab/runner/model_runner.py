@@ -70,12 +70,16 @@ class ModelRunner:
         self.driver = ModelDriver(model, policy)
         # every sequence's sampling state (seeded generators, penalty counts, grammar matchers)
         self.sampler = sampler or BatchSampler(model.config.vocab_size if model is not None else 0, self.device)
+        self.spec = None  # the engine's SpecDecoder (spec_decode/): verifies requests that drafted tokens
 
     # ---- 1. tensors --------------------------------------------------------------------------------
 
     def prepare_inputs(self, plan: SchedulerOutput) -> StepInputs:
-        decodes = [c for c in plan.chunks if c.num_new_tokens == 1]
-        prompts = [c for c in plan.chunks if c.num_new_tokens > 1]
+        # a chunk verifying drafted tokens runs as decode rows, one per token (each its own query over
+        # the same block table, writing its K/V before any row attends): a decode step's shape, so the
+        # fused decode step and the kernels take it, with the numbers a plain decode of each would give
+        decodes = [row for c in plan.chunks if c.is_decode or c.as_rows for row in (c.rows() if c.as_rows else [c])]
+        prompts = [c for c in plan.chunks if not (c.is_decode or c.as_rows)]
         if self.pack_prompts:
             batches = [decodes + prompts]
         else:
@@ -88,9 +92,9 @@ class ModelRunner:
         logits_index: list[int] = []
         sampling: list[Request] = []
         for c in chunks:
-            ids.extend(c.request.all_token_ids[c.start : c.end])
+            ids.extend(c.token_ids())
             positions.extend(range(c.start, c.end))
-            if c.samples:
+            if c.samples or c.logits_row:  # a verification's rows: one logits row each (the request repeated)
                 logits_index.append(len(ids) - 1)
                 sampling.append(c.request)
         kv_groups = [self._kv_group(chunks, g, group) for g, group in enumerate(self.layout.groups)]
@@ -105,7 +109,7 @@ class ModelRunner:
         for c in chunks:
             table = c.block_tables[g]
             slots.extend(table[p // bs] * bs + p % bs for p in range(c.start, c.end))
-        decodes = [c for c in chunks if c.num_new_tokens == 1]
+        decodes = [c for c in chunks if c.is_decode]
         groups = [self._decode_group(decodes, g, kv, windows)] if decodes else []
         lo = len(decodes)
         for c in chunks[len(decodes) :]:
@@ -193,19 +197,62 @@ class ModelRunner:
 
     def sample(self, requests: list[Request], logits: torch.Tensor) -> StepResult:
         """One token per request (and the first token of each choice it forks), all rows together
-        (sampling/sampler.py's BatchSampler).
+        (sampling/sampler.py's BatchSampler); a request verifying k drafts has k + 1 rows in a row and
+        keeps what the verifier accepts (spec_decode/), its rejected drafts' positions to roll back.
 
         Under the engine's thread policy, as the forward was: a few rows' argmax on PyTorch's threads
         woke its OpenMP workers against the kernels' pool (5.9 ms for one 49,152-row argmax at two
         threads, 0.1 ms at one, measured here)."""
+        groups = row_groups(requests)
+        if len(groups) < len(requests):
+            return self._sample_verifying(groups, logits)
         with self.driver.policy.applied(len(requests), self.device):
             out = self.sampler.sample(requests, logits)
         return StepResult({sid: [t] for sid, t in out.tokens.items()},
                           logprobs={sid: [lp] for sid, lp in out.logprobs.items()}, forks=out.forks)  # fmt: skip
 
+    def _sample_verifying(self, groups, logits: torch.Tensor) -> StepResult:
+        plain = [(r, lo) for r, lo, hi in groups if hi - lo == 1]
+        result = StepResult()
+        if plain:
+            index = torch.tensor([lo for _, lo in plain], device=logits.device)
+            result = self.sample([r for r, _ in plain], logits[index])
+        verifying = [(r, lo, hi) for r, lo, hi in groups if hi - lo > 1]
+        with self.driver.policy.applied(len(verifying), self.device):
+            fast = [(r, lo, hi) for r, lo, hi in verifying if r.params.is_plain_greedy]
+            if fast:
+                rows = torch.cat([logits[lo:hi] for _, lo, hi in fast])
+                spans, at = [], 0
+                for _, lo, hi in fast:
+                    spans.append((at, at + hi - lo))
+                    at += hi - lo
+                kept = self.spec.verify_greedy_many([r for r, _, _ in fast], rows, spans)
+            else:
+                kept = {}
+            for r, lo, hi in verifying:
+                if r.request_id not in kept:
+                    kept[r.request_id] = self.spec.verify(r, logits[lo:hi])
+        for r, lo, hi in verifying:
+            tokens, accepted = kept[r.request_id]
+            result.sampled_token_ids[r.request_id] = tokens
+            result.num_rejected_tokens[r.request_id] = hi - lo - 1 - accepted
+        return result
+
     def release(self, request_id: str) -> None:
         """Forget a finished sequence's sampling state."""
         self.sampler.release(request_id)
+
+
+def row_groups(requests: list[Request]) -> list[tuple[Request, int, int]]:
+    """(request, first row, end row) of each request in a step's logits rows: one row each, k + 1 in a row
+    for a request verifying k drafted tokens."""
+    groups: list[tuple[Request, int, int]] = []
+    for i, r in enumerate(requests):
+        if groups and groups[-1][0] is r and r.spec_token_ids:
+            groups[-1] = (r, groups[-1][1], i + 1)
+        else:
+            groups.append((r, i, i + 1))
+    return groups
 
 
 def _prompt_rows(chunks: list[ScheduledChunk]) -> list[tuple[Request, int, list[int]]]:

@@ -76,6 +76,11 @@ class ScheduledChunk:
     start: int
     num_new_tokens: int
     block_tables: list[list[int]]  # the request's block table in each KV group (kv/layout.py)
+    # drafted tokens after the request's last one, verified in this chunk (speculative decoding): the
+    # chunk is the last token and these, each a row of its own with its own logits
+    spec_token_ids: tuple[int, ...] = ()
+    as_rows: bool = False  # run each token as a decode row (verification; a draft model's short catch-up)
+    logits_row: bool = False  # a row whose logits are needed although it is not the chunk's last
 
     @property
     def end(self) -> int:
@@ -83,8 +88,26 @@ class ScheduledChunk:
 
     @property
     def samples(self) -> bool:
-        """True when the chunk reaches the last known token: its logits give the next token."""
-        return self.end == self.request.num_tokens
+        """True when the chunk reaches the last known token (or drafted one): its logits give the next token."""
+        return self.end == self.request.num_tokens + len(self.spec_token_ids)
+
+    @property
+    def is_decode(self) -> bool:
+        """A decode row: one token, attending as one row of the step's decode batch."""
+        return self.num_new_tokens == 1
+
+    def token_ids(self) -> list[int]:
+        """The ids of this chunk's tokens: the request's, then drafted ones."""
+        ids, n = self.request.all_token_ids, self.request.num_tokens
+        if self.end <= n:
+            return ids[self.start : self.end]
+        return ids[self.start : n] + list(self.spec_token_ids[max(self.start - n, 0) : self.end - n])
+
+    def rows(self) -> list[ScheduledChunk]:
+        """The chunk as decode rows, one per token (every one with logits when it verifies drafts)."""
+        verify = bool(self.spec_token_ids)
+        return [ScheduledChunk(self.request, p, 1, self.block_tables, self.spec_token_ids,
+                               logits_row=verify or p == self.end - 1) for p in range(self.start, self.end)]  # fmt: skip
 
 
 @dataclass
@@ -129,14 +152,20 @@ class Scheduler:
             if req.status is not RequestStatus.RUNNING:  # preempted for an earlier request of this loop
                 continue
             n = min(req.num_tokens - req.num_computed_tokens, budget)
-            while (ops := self.kv.allocate_slots(req, n)) is None:
+            spec = self._spec_tokens(req, n, budget)
+            ops = self.kv.allocate_slots(req, n + len(spec)) if spec else None
+            if spec and ops is None:
+                spec = req.spec_token_ids = []  # no room for the drafts: a plain decode (no preemption for them)
+            n += len(spec)
+            while ops is None and (ops := self.kv.allocate_slots(req, n)) is None:
                 victim = next(r for r in reversed(self.running) if r.request_id not in scheduled)
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is req:
                     break
             else:
-                out.chunks.append(ScheduledChunk(req, req.num_computed_tokens, n, self.kv.block_tables[req.request_id]))
+                out.chunks.append(ScheduledChunk(req, req.num_computed_tokens, n, self.kv.block_tables[req.request_id],
+                                                 tuple(spec), as_rows=bool(spec)))  # fmt: skip
                 out.block_ops.extend(ops)
                 scheduled.add(req.request_id)
                 budget -= n
@@ -155,6 +184,20 @@ class Scheduler:
             budget -= n
         return out
 
+    def _spec_tokens(self, req: Request, n: int, budget: int) -> list[int]:
+        """The drafted tokens `req` verifies this step: only on a decode (its last token is all it has to
+        compute), as many as the budget, its max_tokens and the context leave room for."""
+        spec = req.spec_token_ids
+        if not spec:
+            return []
+        if n != 1:
+            req.spec_token_ids = []
+            return []
+        room = min(budget - 1, req.max_tokens - req.num_output_tokens - 1, self.config.max_model_len - req.num_tokens)
+        if room < len(spec):
+            spec = req.spec_token_ids = spec[: max(room, 0)]
+        return spec
+
     def _admit(self, req: Request, num_cached: int) -> None:
         req.status = RequestStatus.RUNNING
         req.num_computed_tokens = num_cached
@@ -169,6 +212,7 @@ class Scheduler:
         self.running.remove(req)
         self.kv.free(req)
         req.num_computed_tokens = 0
+        req.spec_token_ids = []
         req.status = RequestStatus.WAITING
         req.num_preemptions += 1
         self.num_preemptions += 1
@@ -187,25 +231,29 @@ class Scheduler:
             req = chunk.request
             if req.is_finished:
                 continue
+            req.spec_token_ids = []  # verified now: accepted ones come back as sampled tokens
             rejected = result.num_rejected_tokens.get(req.request_id, 0)
             req.num_computed_tokens = chunk.end - rejected
             if rejected:
                 self.kv.truncate(req, req.num_computed_tokens)
+            tokens = result.sampled_token_ids.get(req.request_id) or []
+            status = None
+            for i, token in enumerate(tokens):  # appended before the blocks are registered: accepted drafts need them
+                status = req.append_token(token)
+                if status is not None:
+                    if i + 1 < len(tokens) and req.num_computed_tokens > req.num_tokens - 1:
+                        self.kv.truncate(req, req.num_tokens - 1)  # ended inside accepted drafts: drop the rest
+                    break
             self.kv.register_full_blocks(req)
             self.kv.slide_windows(req)  # sliding-window blocks no later query sees go back to the pool
-            tokens = result.sampled_token_ids.get(req.request_id)
             if not tokens:
                 continue
             got.append(req)
-            for token in tokens:
-                status = req.append_token(token)
-                if status is not None:
-                    self.finish_request(req, status)
-                    break
-            else:
-                if self.config.recompute_every_step:
-                    self.kv.free(req)
-                    req.num_computed_tokens = 0
+            if status is not None:
+                self.finish_request(req, status)
+            elif self.config.recompute_every_step:
+                self.kv.free(req)
+                req.num_computed_tokens = 0
         return got
 
     def fork(self, parent: Request, child: Request) -> bool:

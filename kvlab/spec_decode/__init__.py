@@ -1,0 +1,243 @@
+"""Speculative decoding: guess a request's next k tokens cheaply, check them all in one target pass.
+
+    SpecDecoder.create(config, engine)   a proposer (NgramProposer, DraftModelProposer) + the verifier
+    .propose(running)                    before a step: request.spec_token_ids for each decode that drafts
+    .verify(groups, logits)              in the runner's sample: the tokens each verified request keeps
+    .record_step(...)                    after a step: its time, for c and the measured speedup
+
+The scheduler runs a request's last token and its drafts as one chunk of k + 1 decode rows; the
+verifier (rejection_sampler.py) keeps the longest agreeing prefix plus one target token, and the
+scheduler truncates the rejected drafts' K/V. The counts are vLLM's (metrics.py).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from kvlab.config.speculative import SpeculativeConfig
+from kvlab.errors import KvlabError
+from kvlab.spec_decode.metrics import SpecDecodingStats, expected_tokens_per_round, predicted_speedup
+from kvlab.spec_decode.ngram_proposer import NgramProposer
+from kvlab.spec_decode.rejection_sampler import RejectionSampler, eligible
+
+PROBE_EVERY = 16  # a request's every 16th decode step runs plainly: the plain step the speedup is measured against
+ADAPTIVE_MIN_ROUNDS = 8  # rounds of a request before adaptive speculation judges it
+
+
+@dataclass
+class StepTimes:
+    """Pure decode steps (no prompt chunk in them) of one kind: count, seconds, tokens gained."""
+
+    steps: int = 0
+    seconds: float = 0.0
+    tokens: int = 0
+    rows: int = 0  # decode rows through the target
+
+    def add(self, seconds: float, tokens: int, rows: int) -> None:
+        self.steps, self.seconds, self.tokens, self.rows = self.steps + 1, self.seconds + seconds, self.tokens + tokens, self.rows + rows
+
+    @property
+    def step_s(self) -> float:
+        return self.seconds / self.steps if self.steps else 0.0
+
+    @property
+    def tok_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+
+@dataclass
+class SpecReport:
+    """The engine's speculation so far, measured against its own prediction."""
+
+    method: str
+    k: int
+    stats: SpecDecodingStats
+    c: float  # one draft step's cost over one target step, measured here
+    c_source: str  # what the target step was: "plain decode steps" or "verification steps"
+    verify_ratio: float  # a verification step's target pass over a plain decode step (0: not measured)
+    predicted_speedup: float
+    measured_speedup: float  # speculative decode tok/s over plain decode tok/s, this run's steps (0: unmeasured)
+    spec_tok_s: float
+    plain_tok_s: float
+
+    def line(self) -> str:
+        s = self.stats
+        per_pos = " ".join(f"{x:.2f}" for x in s.per_position_acceptance_rate)
+        text = (f"speculative {self.method} k={self.k}: α {s.acceptance_rate:.2f} ({s.num_accepted_tokens}/"
+                f"{s.num_draft_tokens} drafts accepted, per position {per_pos or '-'}), mean acceptance length "
+                f"{s.mean_acceptance_length:.2f}, c {self.c:.3f}; speedup predicted {self.predicted_speedup:.2f}×")  # fmt: skip
+        if self.measured_speedup:
+            text += f", measured {self.measured_speedup:.2f}× ({self.spec_tok_s:.1f} vs {self.plain_tok_s:.1f} tok/s plain)"
+            if self.measured_speedup < 1:
+                text += ": speculation was slower than plain decoding here"
+        else:
+            text += ", measured: no plain decode step to compare with"
+        return text
+
+    def to_dict(self) -> dict:
+        return dict(method=self.method, num_speculative_tokens=self.k, **self.stats.to_dict(), c=round(self.c, 6),
+                    c_source=self.c_source, verify_ratio=round(self.verify_ratio, 6),
+                    predicted_speedup=round(self.predicted_speedup, 6), measured_speedup=round(self.measured_speedup, 6),
+                    spec_decode_tok_s=round(self.spec_tok_s, 3), plain_decode_tok_s=round(self.plain_tok_s, 3))  # fmt: skip
+
+
+class SpecDecoder:
+    def __init__(self, config: SpeculativeConfig, engine, proposer, draft=None):
+        self.config, self.k = config, config.num_speculative_tokens
+        self.engine = engine
+        self.ngram = proposer
+        self.draft = draft
+        self.verifier = RejectionSampler(engine.runner.sampler)
+        self.stats = SpecDecodingStats()
+        self.spec_steps, self.plain_steps = StepTimes(), StepTimes()
+        self.propose_s = 0.0  # proposing time of the rounds in spec_steps
+        self.num_rounds_timed = 0
+        self._last_propose_s = 0.0
+        self._off: set[str] = set()  # requests adaptive speculation stopped
+
+    @classmethod
+    def create(cls, value, engine) -> SpecDecoder | None:
+        config = SpeculativeConfig.parse(value)
+        if config is None:
+            return None
+        model_config = engine.loaded.config
+        if config.method == "mtp":
+            n = len(model_config.mtp_layers)
+            raise KvlabError(f"{engine.loaded.path.name} has {n} MTP layer(s) but kvlab cannot run them as a proposer "
+                             "yet: use ngram or draft_model" if n else
+                             f"{engine.loaded.path.name} has no MTP heads (nextn_predict_layers): use ngram or draft_model")  # fmt: skip
+        if not engine.config.use_cache:
+            raise KvlabError("speculative decoding needs the KV cache: drop --no-cache")
+        if config.method == "ngram":
+            return cls(config, engine, NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max))
+        from kvlab.model.loader import load_model
+        from kvlab.spec_decode.draft_model import DraftModelProposer, check_same_tokenizer
+
+        target = engine.loaded.model
+        loaded = load_model(config.model, dtype=target.dtype, device=target.device, max_positions=engine.max_model_len)
+        from kvlab.llm import _load_tokenizer
+
+        check_same_tokenizer(engine.tokenizer, _load_tokenizer(loaded), model_config, loaded.config, str(config.model))
+        draft = DraftModelProposer(loaded, model_config.vocab_size, engine.pool_plan.num_blocks, engine.kv.block_size,
+                                   engine.max_model_len, engine.runner.driver.policy)  # fmt: skip
+        return cls(config, engine, None, draft)
+
+    # ---- before a step -----------------------------------------------------------------------
+
+    def _row_cap(self) -> int | None:
+        """Decode rows a step may carry and stay decode-sized (the CPU's kernels and fused step), or None."""
+        policy, device = self.engine.runner.driver.policy, self.engine.cache.device
+        return policy.max_kernel_rows if device.type == "cpu" and policy.use_kernels else None
+
+    def propose(self, running) -> None:
+        """Draft tokens for the running requests whose next step is a decode."""
+        t0 = time.perf_counter()
+        decodes = [r for r in running if r.num_tokens - r.num_computed_tokens == 1]
+        self._last_propose_s = 0.0
+        if not decodes:
+            return
+        max_len = self.engine.max_model_len
+        # every PROBE_EVERY-th decode step of a request is plain (its own count: the same seed, the same text)
+        ready = [r for r in decodes if eligible(r.params) and r.request_id not in self._off
+                 and r.timings.decode_steps % PROBE_EVERY != PROBE_EVERY - 1
+                 and r.max_tokens - r.num_output_tokens >= 2 and r.num_tokens < max_len - 1]  # fmt: skip
+        if not ready:
+            return
+        ks = self._ks(decodes, ready)
+        if self.draft is not None:
+            ready = [r for r in ready if ks[r.request_id] > 0]
+            states = self.verifier._state
+            drafts, probs = self.draft.propose(ready, ks, states)
+            for r in ready:
+                r.spec_token_ids = drafts.get(r.request_id, [])
+                r.spec_draft_probs = probs.get(r.request_id)
+        else:
+            for r in ready:
+                r.spec_token_ids = self.ngram.propose(r.all_token_ids, ks[r.request_id]) if ks[r.request_id] else []
+        self._last_propose_s = time.perf_counter() - t0
+
+    def _ks(self, decodes, ready) -> dict[str, int]:
+        """Drafts per request: k, within the row cap for requests whose text does not depend on k (greedy
+        ones, and every request under prompt lookup); a sampled request's draft-model k is always k."""
+        k, cap = self.k, self._row_cap()
+        ks = {r.request_id: k for r in ready}
+        if cap is None:
+            return ks
+        fixed = [r for r in ready if self.draft is not None and not r.params.is_greedy]
+        flexible = [r for r in ready if r not in fixed]
+        spare = cap - len(decodes) - k * len(fixed)
+        if flexible:
+            per, extra = divmod(max(spare, 0), len(flexible))
+            for i, r in enumerate(flexible):
+                ks[r.request_id] = min(k, per + (i < extra))
+        return ks
+
+    # ---- in the step -------------------------------------------------------------------------
+
+    def verify(self, request, logits):
+        """(tokens, accepted) of one request from its k + 1 rows."""
+        return self.verifier.verify(request, logits, getattr(request, "spec_draft_probs", None) if self.draft else None)
+
+    def verify_greedy_many(self, requests, logits, spans):
+        return self.verifier.verify_greedy_many(requests, logits, spans)
+
+    # ---- after a step ------------------------------------------------------------------------
+
+    def observe(self, request, num_drafted: int, num_accepted: int) -> None:
+        if request.spec_stats is None:
+            request.spec_stats = SpecDecodingStats()
+        request.spec_stats.observe(num_drafted, num_accepted)
+        self.stats.observe(num_drafted, num_accepted)
+        if self.config.adaptive and request.spec_stats.num_drafts >= ADAPTIVE_MIN_ROUNDS:
+            report = self.report()
+            s = request.spec_stats
+            if report.plain_tok_s and self._request_gain(s) < 1.0:
+                self._off.add(request.request_id)
+
+    def _request_gain(self, s: SpecDecodingStats) -> float:
+        """A request's measured-cost gain: its tokens per round over the round's cost in plain steps."""
+        plain = self.plain_steps.step_s
+        if not plain or not self.spec_steps.steps:
+            return 1.0
+        round_s = self.spec_steps.step_s + (self.propose_s / self.spec_steps.steps)
+        return s.mean_acceptance_length * plain / round_s
+
+    def record_step(self, step_s: float, pure_decode: bool, num_spec_chunks: int, tokens: int, rows: int) -> None:
+        """A step's time (without proposing): pure decode steps feed the plain and speculative figures."""
+        if not pure_decode:
+            return
+        if num_spec_chunks:
+            self.spec_steps.add(step_s + self._last_propose_s, tokens, rows)
+            self.propose_s += self._last_propose_s
+        else:
+            self.plain_steps.add(step_s, tokens, rows)
+
+    def release(self, request_id: str) -> None:
+        self._off.discard(request_id)
+        if self.draft is not None:
+            self.draft.release(request_id)
+
+    # ---- the report --------------------------------------------------------------------------
+
+    def report(self, stats: SpecDecodingStats | None = None) -> SpecReport:
+        """The engine's figures (or, with `stats`, one request's α with the engine's costs)."""
+        s = stats or self.stats
+        k = s.mean_draft_length or self.k
+        spec, plain = self.spec_steps, self.plain_steps
+        verify_s = (spec.seconds - self.propose_s) / spec.steps if spec.steps else 0.0
+        target_s, source = (plain.step_s, "plain decode steps") if plain.steps else (verify_s, "verification steps")
+        if self.draft is not None:
+            per_pass = self.draft.pass_s / self.draft.num_passes if self.draft.num_passes else 0.0
+        else:  # prompt lookup: the proposing time of a round, over its drafts
+            per_pass = (self.propose_s / spec.steps / k) if spec.steps else 0.0
+        c = per_pass / target_s if target_s else 0.0
+        measured = spec.tok_s / plain.tok_s if spec.steps and plain.steps and plain.tok_s else 0.0
+        return SpecReport(self.config.method + (f" {self.config.model}" if self.config.model else ""), self.k, s, c,
+                          source, verify_s / plain.step_s if plain.steps and spec.steps else 0.0,
+                          predicted_speedup(s.acceptance_rate, k, c) if s.num_drafts else 0.0, measured,
+                          spec.tok_s, plain.tok_s)  # fmt: skip
+
+
+__all__ = ["SpecDecoder", "SpecReport", "SpeculativeConfig", "SpecDecodingStats", "expected_tokens_per_round",
+           "predicted_speedup"]
