@@ -32,6 +32,7 @@ from kvlab.sampling.params import SamplingParams
 from kvlab.sampling.sampler import BatchSampler
 from kvlab.sampling.structured import GrammarCompiler
 from kvlab.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, StepResult
+from kvlab.spec_decode.metrics import SpecDecodingStats
 from kvlab.stats import STEP_PHASES, EngineStats, peak_memory_bytes
 
 logger = logging.getLogger(__name__)
@@ -340,8 +341,7 @@ class LLMEngine:
         m.mean_decode_batch = t.decode_batch_sum / t.decode_steps if t.decode_steps else 0.0
         m.num_preemptions = request.num_preemptions
         if self.spec is not None:
-            s = request.spec_stats
-            m.spec_decoding = self.spec.report(s).to_dict() if s is not None else None
+            m.spec_decoding = self.spec.report(request.spec_stats or SpecDecodingStats()).to_dict()
         held = request.num_computed_tokens if self.config.use_cache else 0
         layout, bs, per_block = self.pool_plan.layout, self.kv.block_size, self.pool_plan.bytes_per_block
         m.kv_blocks = layout.blocks_for_sequence(held, bs)  # sliding groups: only the window's blocks
