@@ -138,6 +138,10 @@ def turn_report(out, stopped: bool) -> str:
     line = (f"[prefilled {m.prefill_tokens} new tokens, {m.cached_prompt_tokens} reused from the cache; "
             f"TTFT {m.ttft_s * 1000:.0f} ms; decode {m.decode_tok_s:.1f} tok/s; "
             f"KV cache {m.kv_cache_bytes / 2**20:.2f} MiB]")  # fmt: skip
+    spec = m.spec_decoding
+    if spec and spec["num_drafts"]:  # speculative decoding: this turn's acceptance
+        line = line[:-1] + (f"; speculative α {spec['acceptance_rate']:.2f}, mean acceptance length "
+                            f"{spec['mean_acceptance_length']:.2f}]")  # fmt: skip
     if stopped:
         return line + " (interrupted)"
     if out.finish_reason == "length":

@@ -96,6 +96,11 @@ class LLMEngine:
     def check_params(self, params: SamplingParams) -> None:
         """Raise KvlabError for what only this engine can judge: logit_bias ids outside the vocabulary, a
         structured output its grammar engine cannot compile (compiled grammars are cached)."""
+        k = params.num_speculative_tokens
+        if k and self.spec is None:
+            raise KvlabError("num_speculative_tokens: this engine does not speculate (start it with --speculative-config)")
+        if k and k > self.spec.k:
+            raise KvlabError(f"num_speculative_tokens must be at most the engine's {self.spec.k}, got {k}")
         bad = [t for t in (params.logit_bias or ()) if t >= self.vocab_size]
         if bad:
             raise KvlabError(f"logit_bias token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})")

@@ -68,6 +68,18 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="tokens through the model per step; longer prompts are prefilled in chunks (default 512)")  # fmt: skip
     g.add_argument("--no-prefix-caching", action="store_true", help="do not reuse K/V of earlier prompts")
     add_kv_cache_args(p)
+    add_speculative_args(p)
+
+
+def add_speculative_args(p: argparse.ArgumentParser) -> None:
+    """Speculative decoding, as vLLM spells it: --speculative-config JSON and its two shorthands."""
+    g = p.add_argument_group("speculative decoding")
+    g.add_argument("--speculative-config", metavar="JSON",
+                   help='draft and verify: {"method": "ngram" or "draft_model", "model": DRAFT, "num_speculative_tokens": '
+                        'K, "prompt_lookup_min": N, "prompt_lookup_max": N, "adaptive": true} (default: off)')  # fmt: skip
+    g.add_argument("--speculative-model", metavar="NAME",
+                   help="a draft model with the same tokenizer (method draft_model)")
+    g.add_argument("--num-speculative-tokens", type=int, metavar="K", help="tokens drafted per step")
 
 
 def add_parallel_args(p: argparse.ArgumentParser) -> None:
@@ -115,7 +127,20 @@ def engine_options(args) -> dict:
         cache_type_k=args.cache_type_k,
         cache_type_v=args.cache_type_v,
         kv_rotation=args.kv_rotation,
+        speculative_config=speculative_config(args),
     )
+
+
+def speculative_config(args):
+    """The SpeculativeConfig the flags ask for (None: off), checked before anything loads; a draft model
+    not pulled yet is pulled."""
+    from kvlab import hub
+    from kvlab.config.speculative import from_flags
+
+    config = from_flags(args.speculative_config, args.speculative_model, args.num_speculative_tokens)
+    if config is not None and config.model:
+        hub.ensure_pulled(str(config.model))
+    return config
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -274,6 +299,12 @@ def _generate(llm, prompt: str, params, args) -> int:
     return 0
 
 
+def speculative_line(llm) -> str | None:
+    """The engine's speculation measured against its prediction (None when speculation is off)."""
+    spec = llm.engine.spec
+    return spec.report().line() if spec is not None else None
+
+
 def cmd_chat(args) -> int:
     from kvlab.chat_cli import run_chat
 
@@ -321,7 +352,10 @@ def _json_output(llm, out, args) -> dict:
         weight_bytes=llm.loaded.weight_bytes,
         tensor_parallel_size=llm.group.world_size,
         load_s=llm.loaded.load_s,
+        mtp_layers=len(llm.config.mtp_layers),
     )
+    if llm.engine.spec is not None:
+        d["speculative"] = llm.engine.spec.report().to_dict()
     return d
 
 
@@ -348,4 +382,9 @@ def print_report(llm, out, args, file) -> None:
         f"KV cache   {cache}",
         f"peak memory {m.peak_memory_bytes / 2**20:.0f} MiB",
     ]  # fmt: skip
+    if llm.engine.spec is not None:
+        lines.append(speculative_line(llm))
+    mtp = len(llm.config.mtp_layers)
+    if mtp:
+        lines.append(f"MTP heads  {mtp} layer(s) in the checkpoint, kept out of the trunk and the KV pool (not run)")
     print("\n".join(lines), file=file)

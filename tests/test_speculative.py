@@ -372,3 +372,75 @@ def test_the_rule_itself_against_a_far_draft():
     p_value, _ = chi_square_p_value(counts, {i: x for i, x in enumerate(p)})
     assert p_value > 0.001
     assert 0.15 * 4000 < accepted < 0.6 * 4000
+
+
+# ---- the interfaces: server, command line ---------------------------------------------------------------
+
+
+def test_the_server_exports_vllms_counters_and_refuses_bad_input_with_a_400(tiny_chat_model):
+    from loopback import serving
+
+    llm = LLM(tiny_chat_model, speculative_config=ngram(3))
+    plain_llm = LLM(tiny_chat_model)
+    body = {"model": "tiny", "prompt": "The capital of France is Paris. The capital of France is",
+            "max_tokens": 24, "temperature": 0, "ignore_eos": True}  # fmt: skip
+    with serving(plain_llm) as s:
+        want = s.post("/v1/completions", body).json()["choices"][0]["text"]
+        r = s.post("/v1/completions", {**body, "num_speculative_tokens": 2})  # this server does not speculate
+        assert r.status_code == 400 and r.json()["error"]["param"] == "num_speculative_tokens"
+        assert "does not speculate" in r.json()["error"]["message"]
+    with serving(llm) as s:
+        r = s.post("/v1/completions", body)
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == want
+        assert r.json()["kvlab"]["spec_decoding"]["num_drafts"] > 0
+        off = s.post("/v1/completions", {**body, "num_speculative_tokens": 0}).json()
+        assert off["choices"][0]["text"] == want and off["kvlab"]["spec_decoding"]["num_drafts"] == 0
+        for bad in (5, -1, "2", 1.5):
+            r = s.post("/v1/completions", {**body, "num_speculative_tokens": bad})
+            err = r.json()["error"]
+            assert r.status_code == 400 and err["param"] == "num_speculative_tokens" and err["type"] == "invalid_request_error"
+        text = s.get("/metrics").text
+        stats = llm.engine.spec.stats
+        assert f'kvlab_spec_decode_num_drafts_total{{model_name="tiny"}} {stats.num_drafts}' in text
+        assert f'kvlab_spec_decode_num_draft_tokens_total{{model_name="tiny"}} {stats.num_draft_tokens}' in text
+        assert f'kvlab_spec_decode_num_accepted_tokens_total{{model_name="tiny"}} {stats.num_accepted_tokens}' in text
+        first = stats.num_accepted_tokens_per_pos[0]
+        assert f'kvlab_spec_decode_num_accepted_tokens_per_pos_total{{model_name="tiny",position="0"}} {first}' in text
+        assert stats.num_drafts > 0
+
+
+def kvlab(*args: str):
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "kvlab", *args], capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--speculative-config", '{"method": "eagle9", "num_speculative_tokens": 2}'], "unknown speculative method"),
+        (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 99}'], "num_speculative_tokens must be"),
+        (["--num-speculative-tokens", "3"], "needs a proposer"),
+        (["--speculative-config", "{method: ngram}"], "is not JSON"),
+    ],
+)
+def test_the_command_line_refuses_bad_speculation_in_one_line_with_exit_2(target, flags, message):
+    r = kvlab("run", str(target), "hi", "--max-tokens", "2", *flags)
+    assert r.returncode == 2 and message in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_kvlab_run_prints_the_speculative_line(tiny_chat_model):
+    r = kvlab("run", str(tiny_chat_model), "The capital of France is Paris. The capital of France is", "--max-tokens",
+              "30", "--ignore-eos", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}')
+    assert r.returncode == 0, r.stderr
+    line = next(x for x in r.stderr.splitlines() if x.startswith("speculative ngram"))
+    assert "α" in line and "mean acceptance length" in line and "speedup predicted" in line
+    import json
+
+    # the target as its own draft: greedy, every draft is accepted
+    r = kvlab("run", str(tiny_chat_model), "The capital", "--json", "--max-tokens", "12", "--ignore-eos",
+              "--speculative-model", str(tiny_chat_model), "--num-speculative-tokens", "2")
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)["speculative"]
+    assert d["num_speculative_tokens"] == 2 and d["num_drafts"] > 0 and d["acceptance_rate"] == 1.0

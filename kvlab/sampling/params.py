@@ -100,6 +100,9 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     logprobs_mode: str = "processed"
     structured_outputs: StructuredOutputs | None = None
+    # speculative decoding (kvlab's): at most this many drafted tokens per step for this request, 0 none;
+    # None: the engine's num_speculative_tokens. The output is the same either way, only the speed differs
+    num_speculative_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -163,6 +166,8 @@ class SamplingParams:
              f"seed must be an integer within int64, got {self.seed!r}"),
             (all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings"),
             (isinstance(self.ignore_eos, bool), f"ignore_eos must be true or false, got {self.ignore_eos!r}"),
+            (self.num_speculative_tokens is None or (_integer(self.num_speculative_tokens) and 0 <= self.num_speculative_tokens <= 16),
+             f"num_speculative_tokens must be an integer in 0..16, got {self.num_speculative_tokens!r}"),
         ]  # fmt: skip
 
     def _choice_checks(self) -> list[tuple[bool, str]]:

@@ -237,7 +237,8 @@ def create_app(llm, engine: AsyncEngine, config: ServerConfig) -> FastAPI:
         try:
             llm.engine.check_params(parsed.params)  # logit_bias ids, and the structured output compiles
         except KvlabError as e:
-            raise APIError(400, str(e), param="logit_bias" if "logit_bias" in str(e) else parsed.constraint_param) from None
+            field = next((f for f in ("logit_bias", "num_speculative_tokens") if f in str(e)), parsed.constraint_param)
+            raise APIError(400, str(e), param=field) from None
         return parsed
 
     return app

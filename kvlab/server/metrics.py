@@ -2,7 +2,8 @@
 
 Gauges are read live (requests running and waiting, KV blocks); counters and histograms come from
 `kvlab.stats.EngineStats` — TTFT, time per output token, queue time, latency, and each engine
-step's time split into schedule / prepare inputs / forward / sample / detokenize.
+step's time split into schedule / prepare inputs / forward / sample / detokenize; with speculative
+decoding, vLLM's spec_decode counters (drafts, draft tokens, accepted tokens, accepted per position).
 """
 
 from __future__ import annotations
@@ -51,6 +52,16 @@ def render(engine: LLMEngine, model: str) -> str:
     w.metric("kvlab_prefix_cache_hit_rate", "gauge", "Prefix-cache hits / queries, in tokens.", [("", prefix.hit_rate)])
     w.metric("kvlab_prefix_cache_evictions_total", "counter", "Cached blocks reused for new tokens.", [("", pool.num_evictions)])
     w.metric("kvlab_preemptions_total", "counter", "Requests preempted (to be recomputed).", [("", engine.scheduler.num_preemptions)])
+    if engine.spec is not None:  # vLLM's speculative-decoding counters (vllm/v1/spec_decode/metrics.py)
+        s = engine.spec.stats
+        w.metric("kvlab_spec_decode_num_drafts_total", "counter", "Speculative rounds: steps in which a request's drafts were verified.",
+                 [("", s.num_drafts)])  # fmt: skip
+        w.metric("kvlab_spec_decode_num_draft_tokens_total", "counter", "Tokens drafted.", [("", s.num_draft_tokens)])
+        w.metric("kvlab_spec_decode_num_accepted_tokens_total", "counter", "Drafted tokens the target accepted.",
+                 [("", s.num_accepted_tokens)])  # fmt: skip
+        w.metric("kvlab_spec_decode_num_accepted_tokens_per_pos_total", "counter",
+                 "Drafted tokens accepted at each position of a round (0: the first draft).",
+                 [(f'position="{i}"', n) for i, n in enumerate(s.num_accepted_tokens_per_pos)] or [('position="0"', 0)])  # fmt: skip
     with stats.lock:
         w.metric("kvlab_prompt_tokens_total", "counter", "Prompt tokens of finished requests.", [("", stats.prompt_tokens)])
         w.metric("kvlab_generation_tokens_total", "counter", "Tokens generated.", [("", stats.generation_tokens)])

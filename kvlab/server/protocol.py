@@ -91,7 +91,7 @@ _NEUTRAL_CHAT = {
 IGNORED = ("user", "store", "metadata", "service_tier")
 _USED = {"model", "stream", "stream_options", "cache_salt", "max_tokens", "max_completion_tokens", "temperature",
          "top_p", "top_k", "min_p", "seed", "stop", "ignore_eos", "repetition_penalty", "presence_penalty",
-         "frequency_penalty", "n", "logit_bias", *constraints.FIELDS}  # fmt: skip
+         "frequency_penalty", "n", "logit_bias", "num_speculative_tokens", *constraints.FIELDS}  # fmt: skip
 _FIELDS = {
     "completion": _USED | {"prompt", "best_of", "echo", "logprobs"} | set(IGNORED) | set(_NEUTRAL_ANY)
     | set(_NEUTRAL_COMPLETION),
@@ -193,6 +193,7 @@ def sampling_params(body: dict, default_max_tokens: int, kind: str = "completion
             logprobs=_logprobs(body, kind),
             prompt_logprobs=_logprobs(body, kind) if kind == "completion" and body.get("echo") is True else None,
             structured_outputs=structured,
+            num_speculative_tokens=_number(body, "num_speculative_tokens", None, 0, 16, integer=True),
         )
     except KvlabError as e:  # kvlab's own rules (repetition_penalty below 0.01, ignore_eos with a grammar)
         word = str(e).split(" ")[0]

@@ -160,17 +160,19 @@ class SpecDecoder:
     def _ks(self, decodes, ready) -> dict[str, int]:
         """Drafts per request: k, within the row cap for requests whose text does not depend on k (greedy
         ones, and every request under prompt lookup); a sampled request's draft-model k is always k."""
-        k, cap = self.k, self._row_cap()
-        ks = {r.request_id: k for r in ready}
+        cap = self._row_cap()
+        own = {r.request_id: self.k if r.params.num_speculative_tokens is None else r.params.num_speculative_tokens
+               for r in ready}  # fmt: skip
+        ks = dict(own)
         if cap is None:
             return ks
         fixed = [r for r in ready if self.draft is not None and not r.params.is_greedy]
         flexible = [r for r in ready if r not in fixed]
-        spare = cap - len(decodes) - k * len(fixed)
+        spare = cap - len(decodes) - sum(own[r.request_id] for r in fixed)
         if flexible:
             per, extra = divmod(max(spare, 0), len(flexible))
             for i, r in enumerate(flexible):
-                ks[r.request_id] = min(k, per + (i < extra))
+                ks[r.request_id] = min(own[r.request_id], per + (i < extra))
         return ks
 
     # ---- in the step -------------------------------------------------------------------------
