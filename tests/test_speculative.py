@@ -444,3 +444,30 @@ def test_kvlab_run_prints_the_speculative_line(tiny_chat_model):
     assert r.returncode == 0, r.stderr
     d = json.loads(r.stdout)["speculative"]
     assert d["num_speculative_tokens"] == 2 and d["num_drafts"] > 0 and d["acceptance_rate"] == 1.0
+
+
+# ---- MTP heads: detected, kept out of the trunk and the KV pool, reported ----------------------------------------
+
+
+def test_mtp_blocks_in_a_gguf_are_detected_and_kept_out_of_the_trunk(tiny_chat_model, tmp_path):
+    from tiny import build_tiny_gguf
+
+    from kvlab.config import load_config
+
+    plain_file = build_tiny_gguf(tiny_chat_model, tmp_path / "plain.gguf")
+    mtp_file = build_tiny_gguf(tiny_chat_model, tmp_path / "mtp.gguf", mtp_blocks=1)
+    config, plain_config = load_config(mtp_file), load_config(plain_file)
+    assert len(config.mtp_layers) == 1 and config.mtp_layers[0].mtp
+    assert config.num_layers == plain_config.num_layers == 3  # block_count 4 in the file: 3 trunk blocks
+    llm = LLM(mtp_file)
+    assert len(llm.loaded.model.layers) == 3
+    base = LLM(plain_file)
+    assert llm.engine.pool_plan.bytes_per_token == base.engine.pool_plan.bytes_per_token  # no KV for the MTP block
+    greedy = SamplingParams(max_tokens=8, temperature=0)
+    assert llm.generate("The capital", greedy).token_ids == base.generate("The capital", greedy).token_ids
+    with pytest.raises(KvlabError, match="has 1 MTP layer"):
+        LLM(mtp_file, speculative_config={"method": "mtp", "num_speculative_tokens": 1})
+    r = kvlab("run", str(mtp_file), "The capital", "--max-tokens", "3")
+    assert r.returncode == 0 and "MTP heads  1 layer(s)" in r.stderr, r.stderr
+    r = kvlab("mem", str(mtp_file))
+    assert r.returncode == 0 and "1 MTP layer" in r.stdout + r.stderr, r.stdout + r.stderr

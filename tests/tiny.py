@@ -112,7 +112,7 @@ def _permute_like_llama_cpp(w: "torch.Tensor", num_heads: int) -> "torch.Tensor"
     return w.reshape(num_heads, 2, rows // num_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def build_tiny_gguf(hf_dir: Path, out: Path, quant="F32") -> Path:
+def build_tiny_gguf(hf_dir: Path, out: Path, quant="F32", mtp_blocks: int = 0) -> Path:
     """Convert a tiny llama/qwen2/qwen3/gemma3 model (with its tokenizer) into a GGUF file, as llama.cpp would
     (Gemma 3: 1 added to every norm weight, its four norms' names, the window; its 5:1 pattern and local
     rotary base are llama.cpp's own, not written).
@@ -130,7 +130,9 @@ def build_tiny_gguf(hf_dir: Path, out: Path, quant="F32") -> Path:
     arch = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
             "Gemma3ForCausalLM": "gemma3"}[cfg["architectures"][0]]  # fmt: skip
     writer = gguf.GGUFWriter(str(out), arch)
-    writer.add_block_count(cfg["num_hidden_layers"])
+    writer.add_block_count(cfg["num_hidden_layers"] + mtp_blocks)  # llama.cpp counts MTP blocks in block_count
+    if mtp_blocks:  # DeepSeek-V3 / GLM style: nextn_predict_layers, and the extra blocks' blk.N.nextn.* tensors
+        writer.add_uint32(f"{arch}.nextn_predict_layers", mtp_blocks)
     writer.add_context_length(cfg["max_position_embeddings"])
     writer.add_embedding_length(cfg["hidden_size"])
     writer.add_feed_forward_length(cfg["intermediate_size"])
@@ -192,6 +194,12 @@ def build_tiny_gguf(hf_dir: Path, out: Path, quant="F32") -> Path:
         else:
             qtype = gguf.GGMLQuantizationType[kind]
             writer.add_tensor(gguf_name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+    for extra in range(cfg["num_hidden_layers"], cfg["num_hidden_layers"] + mtp_blocks):  # the MTP block's own tensors
+        hidden = cfg["hidden_size"]
+        writer.add_tensor(f"blk.{extra}.nextn.eh_proj.weight", np.zeros((hidden, 2 * hidden), dtype=np.float32))
+        writer.add_tensor(f"blk.{extra}.nextn.enorm.weight", np.ones(hidden, dtype=np.float32))
+        writer.add_tensor(f"blk.{extra}.nextn.hnorm.weight", np.ones(hidden, dtype=np.float32))
+        writer.add_tensor(f"blk.{extra}.attn_norm.weight", np.ones(hidden, dtype=np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -36,9 +36,15 @@ def config_from_gguf(gguf: GGUFFile, *, name: str | None = None) -> ModelConfig:
     arch = meta.str("general.architecture")
     n = meta.int(f"{arch}.block_count")
     tensors = gguf.tensors
+    # multi-token-prediction blocks (DeepSeek-V3's, GLM's, Qwen3.5's): block_count counts them, last, and
+    # their tensors are blk.N.nextn.*; they are kept out of the trunk (and so of the KV pool), and reported
+    num_mtp = mtp_block_count(gguf.metadata, arch, tensors, n)
+    n -= num_mtp
     recurrent = {int(t.split(".")[1]) for t in tensors if t.startswith("blk.") and ".ssm_" in t}
     rope = rope_from_gguf(gguf.metadata, arch)
     layers = tuple(_layer(meta, arch, i, i in recurrent, tensors) for i in range(n))
+    mtp_layers = tuple(dataclasses.replace(_layer(meta, arch, i, False, tensors), mtp=True)
+                       for i in range(n, n + num_mtp))  # fmt: skip
     weights = _file_weights(gguf, meta, arch)
     vocab = meta.int(f"{arch}.vocab_size", required=False)
     if "token_embd.weight" in tensors:  # rows of the embedding: the model's vocabulary
@@ -70,7 +76,16 @@ def config_from_gguf(gguf: GGUFFile, *, name: str | None = None) -> ModelConfig:
         source=str(path),
         file_weights=weights,
         notes=("GGUF: KV sized in f16 (llama.cpp's default cache type) unless --kv-dtype says otherwise",),
+        mtp_layers=tuple(_with_rope(layer, arch, gguf.metadata, rope) for layer in mtp_layers),
     )
+
+
+def mtp_block_count(metadata: dict, arch: str, tensors, block_count: int) -> int:
+    """MTP blocks at the end of block_count: `{arch}.nextn_predict_layers`, or the blocks holding nextn tensors."""
+    n = metadata.get(f"{arch}.nextn_predict_layers")
+    if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+        n = len({t.split(".")[1] for t in tensors if t.startswith("blk.") and ".nextn." in t})
+    return min(n, max(block_count - 1, 0))
 
 
 def _with_rope(layer: Layer, arch: str, metadata: dict, rope: RopeConfig) -> Layer:

@@ -136,6 +136,8 @@ def iter_gguf(
         rest = name
         if name.startswith("blk."):
             _, index, rest = name.split(".", 2)
+            if int(index) >= config.num_layers:  # an MTP block (config.mtp_layers): not part of the trunk
+                continue
             template = names.get(rest)
             hf_name = template.format(i=index) if template else None
         else:

@@ -92,9 +92,16 @@ class SpecDecoder:
         self.stats = SpecDecodingStats()
         self.spec_steps, self.plain_steps = StepTimes(), StepTimes()
         self.propose_s = 0.0  # proposing time of the rounds in spec_steps
-        self.num_rounds_timed = 0
         self._last_propose_s = 0.0
         self._off: set[str] = set()  # requests adaptive speculation stopped
+
+    def reset(self) -> None:
+        """Forget the counts and timings so far (a benchmark's warm-up)."""
+        self.stats = SpecDecodingStats()
+        self.spec_steps, self.plain_steps = StepTimes(), StepTimes()
+        self.propose_s = 0.0
+        if self.draft is not None:
+            self.draft.num_passes, self.draft.pass_s = 0, 0.0
 
     @classmethod
     def create(cls, value, engine) -> SpecDecoder | None:
