@@ -16,7 +16,8 @@ from __future__ import annotations
 import importlib
 
 # in the order `kvlab lab all` runs them and the report lists them
-EXPERIMENTS = ("phases", "cache", "roofline", "dtype", "bits", "context", "attention", "batching", "kv-verify", "kv-dtype")
+EXPERIMENTS = ("phases", "cache", "roofline", "dtype", "bits", "context", "attention", "batching", "kv-verify", "kv-dtype",
+               "speculative")
 
 
 def experiment_module(name: str):

@@ -265,5 +265,28 @@ def kv_dtype(plt, data):
     return fig
 
 
+def speculative(plt, data):
+    """Measured (solid) and predicted (dashed) speedup over plain decoding against k, per proposer and workload."""
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    series = {}
+    for p in data["points"]:
+        series.setdefault((p["proposer"], p["workload"]), []).append(p)
+    for i, ((proposer, workload), points) in enumerate(sorted(series.items())):
+        ks = [p["k"] for p in points]
+        color = f"C{i}"
+        left.plot(ks, [p["measured_speedup"] for p in points], "o-", color=color, label=f"{proposer}, {workload}")
+        left.plot(ks, [p["predicted_speedup"] for p in points], "--", color=color, alpha=0.6)
+        right.plot(ks, [p["alpha"] for p in points], "o-", color=color, label=f"{proposer}, {workload}")
+    left.axhline(1.0, color="0.5", linewidth=0.8)
+    left.set(xlabel="k (tokens drafted per step)", ylabel="speedup over plain decoding",
+             title="Measured (solid) and predicted (dashed)")  # fmt: skip
+    left.set_ylim(bottom=0)
+    right.set(xlabel="k (tokens drafted per step)", ylabel="α (drafts accepted)", title="Acceptance rate")
+    right.set_ylim(0, 1.05)
+    if series:
+        right.legend(fontsize=7)
+    return fig
+
+
 PLOTS = {"phases": phases, "cache": cache, "roofline": roofline, "dtype": dtype, "bits": bits, "context": context,
-         "attention": attention, "batching": batching, "kv-dtype": kv_dtype}  # fmt: skip
+         "attention": attention, "batching": batching, "kv-dtype": kv_dtype, "speculative": speculative}  # fmt: skip

@@ -25,3 +25,8 @@ BLOG_POST = Source(
     "with PyTorch on a CPU",
     "the post",
 )
+SPEC_ARTICLE = Source(
+    "the article “I Benchmarked Speculative Decoding — α = 3.5 Wasn't Enough” (dev.to), which measured "
+    "Qwen2.5-0.5B-Instruct drafting for Qwen2.5-1.5B-Instruct on a 12th-gen Intel CPU",
+    "the article",
+)
