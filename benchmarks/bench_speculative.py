@@ -10,7 +10,8 @@ For each proposer — prompt lookup (ngram) and, with --draft, the draft model �
 engine without speculation and one with it share the loaded target; runs alternate between them,
 after a warm-up each, and the medians are printed. The greedy answers must be equal token for token
 (the benchmark stops if not). `--batch 16`: sixteen copying requests in one batch, plain vs ngram,
-tokens per second of the whole batch.
+tokens per second of the whole batch. `--adaptive` adds prompt lookup with adaptive speculation (each
+step's k chosen from the step times measured so far, SpecDecoder._step_k).
 
 Cost ratios, measured on the engines' own steps: `c` is one draft step over one plain target decode
 step (prompt lookup: its lookup time, ≈ 0); `r` is one verification step's target pass (k + 1 rows of
@@ -144,7 +145,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--draft", help="a draft model with the same tokenizer (the draft_model rows)")
-    ap.add_argument("-k", type=int, default=4, help="num_speculative_tokens (default 4)")
+    ap.add_argument("-k", type=int, default=3, help="num_speculative_tokens of prompt lookup (default 3)")
+    ap.add_argument("--adaptive", action="store_true",
+                    help="also prompt lookup with adaptive speculation (each step's k from the measured costs)")
+    ap.add_argument("--proposers", nargs="+", default=["ngram", "draft_model"], help="which proposers to run")
     ap.add_argument("--draft-k", type=int, default=3, help="num_speculative_tokens of the draft model (default 3)")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--repeat", type=int, default=2)
@@ -155,8 +159,12 @@ def main() -> None:
     args = ap.parse_args()
 
     llm = LLM(args.model, threads=args.threads, max_model_len=4096)
-    proposers = [("ngram", {"method": "ngram", "num_speculative_tokens": args.k})]
-    if args.draft:
+    proposers = []
+    if "ngram" in args.proposers:
+        proposers.append(("ngram", {"method": "ngram", "num_speculative_tokens": args.k}))
+    if args.adaptive:
+        proposers.append(("ngram adaptive", {"method": "ngram", "num_speculative_tokens": args.k, "adaptive": True}))
+    if args.draft and "draft_model" in args.proposers:
         proposers.append(("draft_model", {"method": "draft_model", "model": args.draft,
                                           "num_speculative_tokens": args.draft_k}))  # fmt: skip
     rows = []
@@ -166,9 +174,11 @@ def main() -> None:
             row.update(model=args.model, proposer=name, workload=workload, batch=1)
             rows.append(row)
             print(line(row), file=sys.stderr, flush=True)
-    if args.batch:
-        row = compare(llm, proposers[0][1], batch_prompts(args.batch), args.max_tokens // 2, args.repeat)
-        row.update(model=args.model, proposer="ngram", workload="copying", batch=args.batch)
+    for name, speculative in proposers if args.batch else []:
+        if not name.startswith("ngram"):
+            continue
+        row = compare(llm, speculative, batch_prompts(args.batch), args.max_tokens // 2, args.repeat)
+        row.update(model=args.model, proposer=name, workload="copying", batch=args.batch)
         rows.append(row)
         print(line(row), file=sys.stderr, flush=True)
     meta = dict(machine=platform.processor() or platform.machine(), threads=llm.policy.threads,

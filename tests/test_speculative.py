@@ -471,3 +471,13 @@ def test_mtp_blocks_in_a_gguf_are_detected_and_kept_out_of_the_trunk(tiny_chat_m
     assert r.returncode == 0 and "MTP heads  1 layer(s)" in r.stderr, r.stderr
     r = kvlab("mem", str(mtp_file))
     assert r.returncode == 0 and "1 MTP layer" in r.stdout + r.stderr, r.stdout + r.stderr
+
+
+def test_adaptive_speculation_keeps_the_output(plain, target, draft):
+    """Adaptive speculation stops drafting for a request whose acceptance loses by the measured costs;
+    whatever it decides, the greedy text is plain decoding's."""
+    want = [o.token_ids for o in plain.generate(prompts(12), GREEDY)]
+    llm = LLM(target, max_num_seqs=8, speculative_config={"model": str(draft), "num_speculative_tokens": 4,
+                                                          "adaptive": True})  # fmt: skip
+    assert [o.token_ids for o in llm.generate(prompts(12), GREEDY)] == want
+    check_pool(llm)

@@ -46,6 +46,37 @@ class StepTimes:
         return self.tokens / self.seconds if self.seconds else 0.0
 
 
+class RowCosts:
+    """A target step's measured time by the decode rows it carried (an average that follows drift), and an
+    estimate between and beyond the measured counts: linear between neighbours, the last slope past them."""
+
+    def __init__(self):
+        self.seconds: dict[int, float] = {}
+        self.count: dict[int, int] = {}
+
+    def observe(self, rows: int, seconds: float) -> None:
+        old = self.seconds.get(rows)
+        self.seconds[rows] = seconds if old is None else 0.7 * old + 0.3 * seconds
+        self.count[rows] = self.count.get(rows, 0) + 1
+
+    def estimate(self, rows: int) -> float | None:
+        if rows in self.seconds:
+            return self.seconds[rows]
+        known = sorted(self.seconds)
+        if not known:
+            return None
+        below = [n for n in known if n < rows]
+        above = [n for n in known if n > rows]
+        if below and above:
+            a, b = below[-1], above[0]
+            return self.seconds[a] + (self.seconds[b] - self.seconds[a]) * (rows - a) / (b - a)
+        if len(known) == 1:
+            return self.seconds[known[0]]
+        a, b = (known[-2], known[-1]) if below else (known[0], known[1])
+        slope = max((self.seconds[b] - self.seconds[a]) / (b - a), 0.0)
+        return max(self.seconds[b if below else a] + slope * (rows - (b if below else a)), 0.0)
+
+
 @dataclass
 class SpecReport:
     """The engine's speculation so far, measured against its own prediction."""
@@ -94,6 +125,8 @@ class SpecDecoder:
         self.propose_s = 0.0  # proposing time of the rounds in spec_steps
         self._last_propose_s = 0.0
         self._off: set[str] = set()  # requests adaptive speculation stopped
+        self.row_costs = RowCosts()  # adaptive: a step's time by its rows, to choose each step's k
+        self._choices = 0
 
     def reset(self) -> None:
         """Forget the counts and timings so far (a benchmark's warm-up)."""
@@ -180,7 +213,31 @@ class SpecDecoder:
             per, extra = divmod(max(spare, 0), len(flexible))
             for i, r in enumerate(flexible):
                 ks[r.request_id] = min(own[r.request_id], per + (i < extra))
+        if self.config.adaptive and flexible:  # the k of this step that the measured costs say yields most
+            limit = max(ks[r.request_id] for r in flexible)
+            best = self._step_k(len(decodes) + sum(own[r.request_id] for r in fixed), len(flexible), limit)
+            for r in flexible:
+                ks[r.request_id] = min(ks[r.request_id], best)
         return ks
+
+    def _step_k(self, base_rows: int, n: int, limit: int) -> int:
+        """Drafts per flexible request this step (0..limit): each option once first, then the one with the
+        most expected tokens per measured second (drafting included), another one every 16th step."""
+        self._choices += 1
+        rows = {k: base_rows + k * n for k in range(limit + 1)}
+        untried = [k for k in rows if rows[k] not in self.row_costs.seconds]
+        if untried:
+            return max(untried)
+        if self._choices % 16 == 0:  # look again at the option measured least often: costs drift
+            return min(rows, key=lambda k: (self.row_costs.count.get(rows[k], 0), -k))
+        rates = self.stats.per_position_acceptance_rate
+        draft_s = self.draft.pass_s / self.draft.num_passes if self.draft is not None and self.draft.num_passes else 0.0
+
+        def gain(k: int) -> float:
+            expected = 1.0 + sum(rates[i] if i < len(rates) else 0.0 for i in range(k))
+            return (base_rows + n * (expected - 1)) / (self.row_costs.estimate(rows[k]) + k * draft_s)
+
+        return max(sorted(rows), key=gain)
 
     # ---- in the step -------------------------------------------------------------------------
 
@@ -216,6 +273,7 @@ class SpecDecoder:
         """A step's time (without proposing): pure decode steps feed the plain and speculative figures."""
         if not pure_decode:
             return
+        self.row_costs.observe(rows, step_s)
         if num_spec_chunks:
             self.spec_steps.add(step_s + self._last_propose_s, tokens, rows)
             self.propose_s += self._last_propose_s
