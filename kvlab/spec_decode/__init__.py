@@ -88,6 +88,7 @@ class SpecReport:
     c_source: str  # what the target step was: "plain decode steps" or "verification steps"
     verify_ratio: float  # a verification step's target pass over a plain decode step (0: not measured)
     predicted_speedup: float
+    predicted_speedup_with_r: float  # the same tokens over k·c + r: the verification's own measured cost (0: no r)
     measured_speedup: float  # speculative decode tok/s over plain decode tok/s, this run's steps (0: unmeasured)
     spec_tok_s: float
     plain_tok_s: float
@@ -98,6 +99,8 @@ class SpecReport:
         text = (f"speculative {self.method} k={self.k}: α {s.acceptance_rate:.2f} ({s.num_accepted_tokens}/"
                 f"{s.num_draft_tokens} drafts accepted, per position {per_pos or '-'}), mean acceptance length "
                 f"{s.mean_acceptance_length:.2f}, c {self.c:.3f}; speedup predicted {self.predicted_speedup:.2f}×")  # fmt: skip
+        if self.verify_ratio:
+            text += f" ({self.predicted_speedup_with_r:.2f}× with a verification costing r {self.verify_ratio:.2f} steps)"
         if self.measured_speedup:
             text += f", measured {self.measured_speedup:.2f}× ({self.spec_tok_s:.1f} vs {self.plain_tok_s:.1f} tok/s plain)"
             if self.measured_speedup < 1:
@@ -109,7 +112,9 @@ class SpecReport:
     def to_dict(self) -> dict:
         return dict(method=self.method, num_speculative_tokens=self.k, **self.stats.to_dict(), c=round(self.c, 6),
                     c_source=self.c_source, verify_ratio=round(self.verify_ratio, 6),
-                    predicted_speedup=round(self.predicted_speedup, 6), measured_speedup=round(self.measured_speedup, 6),
+                    predicted_speedup=round(self.predicted_speedup, 6),
+                    predicted_speedup_with_r=round(self.predicted_speedup_with_r, 6),
+                    measured_speedup=round(self.measured_speedup, 6),
                     spec_decode_tok_s=round(self.spec_tok_s, 3), plain_decode_tok_s=round(self.plain_tok_s, 3))  # fmt: skip
 
 
@@ -300,10 +305,11 @@ class SpecDecoder:
             per_pass = (self.propose_s / spec.steps / k) if spec.steps else 0.0
         c = per_pass / target_s if target_s else 0.0
         measured = spec.tok_s / plain.tok_s if spec.steps and plain.steps and plain.tok_s else 0.0
+        r = verify_s / plain.step_s if plain.steps and spec.steps else 0.0
+        tokens = expected_tokens_per_round(s.acceptance_rate, k)
         return SpecReport(self.config.method + (f" {self.config.model}" if self.config.model else ""), self.k, s, c,
-                          source, verify_s / plain.step_s if plain.steps and spec.steps else 0.0,
-                          predicted_speedup(s.acceptance_rate, k, c) if s.num_drafts else 0.0, measured,
-                          spec.tok_s, plain.tok_s)  # fmt: skip
+                          source, r, predicted_speedup(s.acceptance_rate, k, c) if s.num_drafts else 0.0,
+                          tokens / (k * c + r) if s.num_drafts and r else 0.0, measured, spec.tok_s, plain.tok_s)  # fmt: skip
 
 
 __all__ = ["SpecDecoder", "SpecReport", "SpeculativeConfig", "SpecDecodingStats", "expected_tokens_per_round",
