@@ -198,6 +198,8 @@ class LLMEngine:
             inputs = self.runner.prepare_inputs(plan)  # 2. token ids, positions, slot mapping, block tables
             t2 = time.perf_counter()
             logits = self.runner.forward(inputs)  # 3. one batched forward (per pass)
+            if self.spec is not None:  # a draft model prefills the prompts finished here, as the target did
+                self.spec.prefill(plan)
             t3 = time.perf_counter()
             tokens, failed = self._sample(inputs, logits)  # 4. a token per request that reached its end
             t4 = time.perf_counter()

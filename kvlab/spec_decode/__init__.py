@@ -202,6 +202,15 @@ class SpecDecoder:
                 r.spec_token_ids = self.ngram.propose(r.all_token_ids, ks[r.request_id]) if ks[r.request_id] else []
         self._last_propose_s = time.perf_counter() - t0
 
+    def prefill(self, plan) -> None:
+        """A draft model prefills the prompts the target finishes in this step (part of their prefill)."""
+        if self.draft is None:
+            return
+        done = [c.request for c in plan.chunks if c.samples and c.start < c.request.num_prompt_tokens
+                and not c.spec_token_ids and eligible(c.request.params) and c.request.max_tokens > 1]  # fmt: skip
+        if done:
+            self.draft.prefill(done)
+
     def _ks(self, decodes, ready) -> dict[str, int]:
         """Drafts per request: k, within the row cap for requests whose text does not depend on k (greedy
         ones, and every request under prompt lookup); a sampled request's draft-model k is always k."""

@@ -80,8 +80,9 @@ class DraftModelProposer:
         if shadow is not None:
             self.kv.free(shadow)
 
-    def _sync(self, request: Request) -> Request | None:
-        """The request's shadow holding the draft K/V of the longest prefix it shares with the target."""
+    def _sync(self, request: Request, keep_last: bool = True) -> Request | None:
+        """The request's shadow holding the draft K/V of the longest prefix it shares with the target (with
+        `keep_last`, short of the last token: it is fed to draft the next one)."""
         target = request.all_token_ids
         shadow = self.shadows.get(request.request_id)
         if shadow is None:
@@ -90,7 +91,7 @@ class DraftModelProposer:
             self.shadows[request.request_id], self._synced[request.request_id] = shadow, 0
         have = shadow.all_token_ids
         m = min(self._synced[request.request_id], shadow.num_computed_tokens)
-        limit = min(shadow.num_computed_tokens, len(target) - 1)  # at least one token is fed
+        limit = min(shadow.num_computed_tokens, len(target) - keep_last)  # at least one token is fed
         while m < limit and have[m] == target[m]:
             m += 1
         m = min(m, limit)
@@ -110,6 +111,25 @@ class DraftModelProposer:
             self.num_passes += 1
             self.pass_s += time.perf_counter() - t0
         return {r.request_id: logits[i] for i, r in enumerate(inputs.sampling)}  # rows come decodes first
+
+    def prefill(self, requests: list[Request]) -> None:
+        """The draft's K/V of prompts the target is prefilling in this step (in the same step, as the target's
+        prefill: its time is the request's time to first token, not its decoding's)."""
+        self._ops, chunks = [], []
+        for r in requests:
+            shadow = self._sync(r, keep_last=False)
+            n = shadow.num_tokens - shadow.num_computed_tokens
+            ops = self.kv.allocate_slots(shadow, n) if n else None
+            if ops is None:
+                if n:
+                    self.release(r.request_id)
+                continue
+            self._ops += ops
+            chunks.append(ScheduledChunk(shadow, shadow.num_computed_tokens, n, self.kv.block_tables[r.request_id]))
+        if chunks:
+            self._run(chunks)
+            for c in chunks:
+                c.request.num_computed_tokens = c.end
 
     def propose(self, requests: list[Request], ks: dict[str, int], states) -> tuple[dict[str, list[int]], dict]:
         """Draft ks[id] tokens for each request: (drafts, q [k, V] of each sampled request)."""
