@@ -8,7 +8,8 @@ Workloads (greedy, chat template): `copying` asks for a given function back with
 (the answer copies the prompt: prompt lookup's case), `free` for a new story (nothing to copy).
 For each proposer — prompt lookup (ngram) and, with --draft, the draft model — and each workload, one
 engine without speculation and one with it share the loaded target; runs alternate between them,
-after a warm-up each, and the medians are printed. The greedy answers must be equal token for token
+after a warm-up each; the measured speedup is the median of each speculative run's rate over the plain
+run just before it (tok/s columns: medians). The greedy answers must be equal token for token
 (the benchmark stops if not). `--batch 16`: sixteen copying requests in one batch, plain vs ngram,
 tokens per second of the whole batch. `--adaptive` adds prompt lookup with adaptive speculation (each
 step's k chosen from the step times measured so far, SpecDecoder._step_k).
@@ -120,7 +121,9 @@ def compare(llm: LLM, speculative: dict, prompts, max_tokens: int, repeat: int) 
         c = spec.spec.propose_s / max(spec.spec.spec_steps.steps, 1) / k / plain_s
     r = verify_s / plain_s
     tokens = expected_tokens_per_round(s.acceptance_rate, k)
-    measured = statistics.median(spec_rates) / statistics.median(plain_rates)
+    # each speculative run against the plain run just before it: the machine's drift (other programs on
+    # its cores) moves both alike; the median of those ratios
+    measured = statistics.median(b / a for a, b in zip(plain_rates, spec_rates))
     return dict(
         speculative=speculative, plain_tok_s=statistics.median(plain_rates), spec_tok_s=statistics.median(spec_rates),
         plain_runs=plain_rates, spec_runs=spec_rates, measured_speedup=measured,
