@@ -134,6 +134,31 @@ def compare(llm: LLM, speculative: dict, prompts, max_tokens: int, repeat: int) 
     )  # fmt: skip
 
 
+def row_costs(llm: LLM, max_rows: int, repeat: int) -> dict[int, float]:
+    """A decode pass of one request with 0..max_rows − 1 drafted tokens (1..max_rows decode rows), in seconds
+    (the fastest of three, the median over `repeat` sweeps): what a verification costs against one decode."""
+    engine = engine_for(llm, None)
+    engine.add_request(list(range(100, 164)), SamplingParams(max_tokens=1000, temperature=0, ignore_eos=True))
+    for _ in range(3):
+        engine.step()
+    request = engine.scheduler.running[0]
+    seconds: dict[int, list[float]] = {}
+    for _ in range(repeat):
+        for rows in range(1, max_rows + 1):
+            request.spec_token_ids = [5] * (rows - 1)
+            inputs = engine.runner.prepare_inputs(engine.scheduler.schedule())
+            engine.runner.forward(inputs)
+            times = []
+            for _ in range(3):
+                t0 = time.perf_counter()
+                engine.runner.forward(inputs)
+                times.append(time.perf_counter() - t0)
+            seconds.setdefault(rows, []).append(min(times))
+            engine.kv.truncate(request, request.num_computed_tokens)  # the drafted slots back to the pool
+            request.spec_token_ids = []
+    return {rows: statistics.median(v) for rows, v in seconds.items()}
+
+
 def batch_prompts(n: int) -> list[list[dict]]:
     out = []
     for i in range(n):
@@ -158,10 +183,16 @@ def main() -> None:
     ap.add_argument("--threads", type=int)
     ap.add_argument("--batch", type=int, default=16, help="requests of the batch comparison (0: skip it)")
     ap.add_argument("--workloads", nargs="+", default=list(WORKLOADS))
+    ap.add_argument("--rows", type=int, default=0, help="first time a decode pass of 1..ROWS rows (the verification's cost)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
     llm = LLM(args.model, threads=args.threads, max_model_len=4096)
+    costs = {}
+    if args.rows:
+        costs = row_costs(llm, args.rows, args.repeat)
+        print(f"{args.model} decode pass by rows: " + ", ".join(f"{n}: {t * 1000:.1f} ms ({t / costs[1]:.2f})"
+                                                             for n, t in costs.items()), file=sys.stderr, flush=True)  # fmt: skip
     proposers = []
     if "ngram" in args.proposers:
         proposers.append(("ngram", {"method": "ngram", "num_speculative_tokens": args.k}))
@@ -187,7 +218,7 @@ def main() -> None:
     meta = dict(machine=platform.processor() or platform.machine(), threads=llm.policy.threads,
                 torch=torch.__version__, date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))  # fmt: skip
     if args.json:
-        print(json.dumps(dict(meta=meta, rows=rows)))
+        print(json.dumps(dict(meta=meta, rows=rows, pass_seconds_by_rows=costs)))
     else:
         print(table(rows, meta))
 
