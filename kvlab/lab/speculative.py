@@ -112,9 +112,9 @@ def run(lab: Lab) -> SpecResult:
     from kvlab.engine import LLMEngine
     from kvlab.hub import ensure_pulled
     from kvlab.kernels import ThreadPolicy
-    from kvlab.llm import _load_tokenizer
+    from kvlab.llm import load_tokenizer
 
-    tokenizer = _load_tokenizer(lab.loaded)
+    tokenizer = load_tokenizer(lab.loaded)
     notes = []
     if tokenizer is None or tokenizer.chat_template is None:
         return SpecResult(None, [], {}, ["the model has no chat template: nothing measured"])

@@ -161,9 +161,9 @@ class SpecDecoder:
 
         target = engine.loaded.model
         loaded = load_model(config.model, dtype=target.dtype, device=target.device, max_positions=engine.max_model_len)
-        from kvlab.llm import _load_tokenizer
+        from kvlab.llm import load_tokenizer
 
-        check_same_tokenizer(engine.tokenizer, _load_tokenizer(loaded), model_config, loaded.config, str(config.model))
+        check_same_tokenizer(engine.tokenizer, load_tokenizer(loaded), model_config, loaded.config, str(config.model))
         draft = DraftModelProposer(loaded, model_config.vocab_size, engine.pool_plan.num_blocks, engine.kv.block_size,
                                    engine.max_model_len, engine.runner.driver.policy)  # fmt: skip
         return cls(config, engine, None, draft)
