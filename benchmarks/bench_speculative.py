@@ -182,7 +182,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--threads", type=int)
     ap.add_argument("--batch", type=int, default=16, help="requests of the batch comparison (0: skip it)")
-    ap.add_argument("--workloads", nargs="+", default=list(WORKLOADS))
+    ap.add_argument("--workloads", nargs="*", default=list(WORKLOADS))
     ap.add_argument("--rows", type=int, default=0, help="first time a decode pass of 1..ROWS rows (the verification's cost)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()

@@ -235,13 +235,15 @@ class SpecDecoder:
         return ks
 
     def _step_k(self, base_rows: int, n: int, limit: int) -> int:
-        """Drafts per flexible request this step (0..limit): each option once first, then the one with the
-        most expected tokens per measured second (drafting included), another one every 16th step."""
+        """Drafts per flexible request this step (0..limit): the one with the most expected tokens per second
+        by the measured step times (drafting included; row counts not measured yet interpolated, the
+        extremes tried first), the least measured one every 16th step."""
         self._choices += 1
         rows = {k: base_rows + k * n for k in range(limit + 1)}
-        untried = [k for k in rows if rows[k] not in self.row_costs.seconds]
-        if untried:
-            return max(untried)
+        if len(self.row_costs.seconds) < 2:  # nothing to draw a cost curve from yet: the extremes first
+            untried = [k for k in (limit, 0) if rows[k] not in self.row_costs.seconds]
+            if untried:
+                return untried[0]
         if self._choices % 16 == 0:  # look again at the option measured least often: costs drift
             return min(rows, key=lambda k: (self.row_costs.count.get(rows[k], 0), -k))
         rates = self.stats.per_position_acceptance_rate
