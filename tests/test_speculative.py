@@ -481,3 +481,18 @@ def test_adaptive_speculation_keeps_the_output(plain, target, draft):
                                                           "adaptive": True})  # fmt: skip
     assert [o.token_ids for o in llm.generate(prompts(12), GREEDY)] == want
     check_pool(llm)
+
+
+def test_row_costs_interpolate_and_never_reach_zero():
+    from kvlab.spec_decode import RowCosts
+
+    costs = RowCosts()
+    assert costs.estimate(4) is None
+    costs.observe(2, 0.010)
+    assert costs.estimate(8) == 0.010  # one point: flat
+    costs.observe(6, 0.030)
+    assert costs.estimate(4) == pytest.approx(0.020)  # between: linear
+    assert costs.estimate(10) == pytest.approx(0.050)  # past: the last slope
+    assert 0 < costs.estimate(1) <= 0.010  # before: below the first, above zero
+    costs.observe(6, 0.020)  # a new measurement moves the average, not replaces it
+    assert costs.estimate(6) == pytest.approx(0.027)

@@ -74,7 +74,9 @@ class RowCosts:
             return self.seconds[known[0]]
         a, b = (known[-2], known[-1]) if below else (known[0], known[1])
         slope = max((self.seconds[b] - self.seconds[a]) / (b - a), 0.0)
-        return max(self.seconds[b if below else a] + slope * (rows - (b if below else a)), 0.0)
+        if below:  # more rows than any measured: never cheaper than the most measured
+            return self.seconds[b] + slope * (rows - b)
+        return max(self.seconds[a] - slope * (a - rows), self.seconds[a] * rows / a)  # fewer: never below proportional
 
 
 @dataclass
@@ -251,7 +253,8 @@ class SpecDecoder:
 
         def gain(k: int) -> float:
             expected = 1.0 + sum(rates[i] if i < len(rates) else 0.0 for i in range(k))
-            return (base_rows + n * (expected - 1)) / (self.row_costs.estimate(rows[k]) + k * draft_s)
+            cost = (self.row_costs.estimate(rows[k]) or 0.0) + k * draft_s
+            return (base_rows + n * (expected - 1)) / cost if cost > 0 else 0.0
 
         return max(sorted(rows), key=gain)
 
