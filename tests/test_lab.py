@@ -29,11 +29,12 @@ from kvlab.lab.phases import PhasesResult
 from kvlab.lab.plots import PLOTS, nice_log_ticks
 from kvlab.lab.report import verdict_text
 from kvlab.lab.roofline import RooflineResult
+from kvlab.lab.speculative import SpecResult
 
 RESULT_TYPES = {
     "phases": PhasesResult, "cache": CacheResult, "roofline": RooflineResult, "dtype": DtypeResult,
     "bits": BitsResult, "context": ContextResult, "attention": AttentionResult, "batching": BatchingResult,
-    "kv-verify": KvVerifyResult, "kv-dtype": KVDtypeResult,
+    "kv-verify": KvVerifyResult, "kv-dtype": KVDtypeResult, "speculative": SpecResult,
 }  # fmt: skip
 QUICK = ["--quick", "--threads", "1", "--repeat", "2", "--no-progress"]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
