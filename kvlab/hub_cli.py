@@ -6,7 +6,6 @@ import argparse
 import json
 
 from kvlab import hub
-from kvlab.errors import KvlabError
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

@@ -218,5 +218,5 @@ def verdict(data: dict) -> str:
         f"token unchanged at {pct(q8['same_top_p'])} of positions ({'small' if small else 'not small'} by kvlab's "
         f"'ok' bar); 4-bit keys cost a mean KLD of {kq4['mean_kld']:.4f} against {vq4['mean_kld']:.4f} for 4-bit "
         f"values ({'keys hurt more' if keys_worse else 'keys did not hurt more'}); at {data['context']:,} tokens "
-        f"of context q8_0 decoded {faster(speed, 'than float32 KV')}."
+        f"of context q8_0 decoded {faster(speed, 'float32 KV')}."
     )

@@ -7,7 +7,6 @@ fit); once loaded, the measured figures beside the plan; then it serves until SI
 
 from __future__ import annotations
 
-import argparse
 import errno
 import io
 import logging
