@@ -49,6 +49,8 @@ def invocations(model: Path, gguf: Path, tmp: Path, url: str) -> dict[str, list]
         "mem": [[["mem", "qwen3-0.6b", "--plot", str(tmp / "kv.png")], None]],
         "lab": [[["lab", "cache", "--model", str(model), "--quick", "--repeat", "1", "--threads", "1", "--no-progress",
                   "--out", str(tmp / "lab")], None]],  # fmt: skip
+        "quality": [[["quality", str(model), "--kv-cache-dtype", "bfloat16", "--tokens", "64", "--window", "32",
+                      "--threads", "1"], None]],  # fmt: skip
         "serve": [],  # the server process itself
         "ps": [[["ps", "--url", url], None]],
         "bench serve": [[["bench", "serve", "--url", url, "--num-requests", "2", "--concurrency", "2",
