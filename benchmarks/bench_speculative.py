@@ -37,23 +37,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kvlab import LLM, SamplingParams  # noqa: E402
 from kvlab.config import EngineConfig  # noqa: E402
 from kvlab.engine import LLMEngine  # noqa: E402
+from kvlab.lab import speculative as lab_speculative  # noqa: E402
 from kvlab.spec_decode.metrics import expected_tokens_per_round  # noqa: E402
 
-FUNCTION = '''def merge_sorted(a, b):
-    """Merge two sorted lists into one sorted list."""
-    result = []
-    i = j = 0
-    while i < len(a) and j < len(b):
-        if a[i] <= b[j]:
-            result.append(a[i])
-            i += 1
-        else:
-            result.append(b[j])
-            j += 1
-    result.extend(a[i:])
-    result.extend(b[j:])
-    return result
-
+# the lab's function to edit, and one more: a longer answer to copy
+FUNCTION = lab_speculative.FUNCTION + '''
 
 def count_words(text):
     """Count how often each word occurs in text."""

@@ -101,6 +101,9 @@ typedef struct {
 
 typedef float v8f __attribute__((vector_size(32)));
 
+// the cache slot of a sequence's key t, through its block table of blocks of bs tokens
+static inline int64_t slot_of(const int64_t* table, int64_t t, int64_t bs) { return table[t / bs] * bs + t % bs; }
+
 static inline v8f load8(const float* p) {
     v8f v;
     memcpy(&v, p, sizeof v);
@@ -496,12 +499,12 @@ static void attend_items(void* ctx, uint32_t begin, uint32_t end) {
         if (D % 8 == 0)
             for (; t + 8 <= hi; t += 8) {
                 int64_t slots[8];
-                for (int r = 0; r < 8; r++) slots[r] = table[(t + r) / bs] * bs + (t + r) % bs;
+                for (int r = 0; r < 8; r++) slots[r] = slot_of(table, t + r, bs);
                 const int64_t ahead = t + 8 + PREFETCH_AHEAD < hi ? t + 8 + PREFETCH_AHEAD : -1;
                 for (int64_t g = 0; g < Hkv; g++) {
                     if (ahead >= 0)
                         for (int r = 0; r < 8; r++)
-                            prefetch_vector(&S->k, (table[(ahead + r) / bs] * bs + (ahead + r) % bs) * Hkv + g, D);
+                            prefetch_vector(&S->k, slot_of(table, ahead + r, bs) * Hkv + g, D);
                     const float* k[8];
                     for (int r = 0; r < 8; r++) k[r] = decode_vector(&S->k, slots[r] * Hkv + g, D, kbuf8 + r * D);
                     for (int64_t h = g * group; h < (g + 1) * group; h++)
@@ -509,8 +512,8 @@ static void attend_items(void* ctx, uint32_t begin, uint32_t end) {
                 }
             }
         for (; t < hi; t++) {
-            const int64_t slot = table[t / bs] * bs + t % bs, ahead = t + PREFETCH_AHEAD;
-            const int64_t slot_ahead = ahead < hi ? table[ahead / bs] * bs + ahead % bs : -1;
+            const int64_t slot = slot_of(table, t, bs), ahead = t + PREFETCH_AHEAD;
+            const int64_t slot_ahead = ahead < hi ? slot_of(table, ahead, bs) : -1;
             for (int64_t g = 0; g < Hkv; g++) {
                 if (slot_ahead >= 0) prefetch_vector(&S->k, slot_ahead * Hkv + g, D);
                 const float* k = decode_vector(&S->k, slot * Hkv + g, D, kbuf);
@@ -546,12 +549,12 @@ static void attend_items(void* ctx, uint32_t begin, uint32_t end) {
         if (D % 8 == 0)
             for (; t + 8 <= hi; t += 8) {
                 int64_t slots[8];
-                for (int r = 0; r < 8; r++) slots[r] = table[(t + r) / bs] * bs + (t + r) % bs;
+                for (int r = 0; r < 8; r++) slots[r] = slot_of(table, t + r, bs);
                 const int64_t ahead = t + 8 + PREFETCH_AHEAD < hi ? t + 8 + PREFETCH_AHEAD : -1;
                 for (int64_t g = 0; g < Hkv; g++) {
                     if (ahead >= 0)
                         for (int r = 0; r < 8; r++)
-                            prefetch_vector(&S->v, (table[(ahead + r) / bs] * bs + (ahead + r) % bs) * Hkv + g, D);
+                            prefetch_vector(&S->v, slot_of(table, ahead + r, bs) * Hkv + g, D);
                     const float* v[8];
                     for (int r = 0; r < 8; r++) v[r] = decode_vector(&S->v, slots[r] * Hkv + g, D, kbuf8 + r * D);
                     for (int64_t h = g * group; h < (g + 1) * group; h++) {
@@ -566,8 +569,8 @@ static void attend_items(void* ctx, uint32_t begin, uint32_t end) {
                 }
             }
         for (; t < hi; t++) {
-            const int64_t slot = table[t / bs] * bs + t % bs, ahead = t + PREFETCH_AHEAD;
-            const int64_t slot_ahead = ahead < hi ? table[ahead / bs] * bs + ahead % bs : -1;
+            const int64_t slot = slot_of(table, t, bs), ahead = t + PREFETCH_AHEAD;
+            const int64_t slot_ahead = ahead < hi ? slot_of(table, ahead, bs) : -1;
             for (int64_t g = 0; g < Hkv; g++) {
                 if (slot_ahead >= 0) prefetch_vector(&S->v, slot_ahead * Hkv + g, D);
                 const float* v = decode_vector(&S->v, slot * Hkv + g, D, vbuf);
