@@ -54,7 +54,28 @@ def test_top_p_keeps_the_smallest_set_reaching_p():
     probs = Sampler(SamplingParams(top_p=0.7)).probabilities(LOGITS)
     assert torch.allclose(probs, torch.tensor([0.625, 0.375, 0.0, 0.0]))
     probs = Sampler(SamplingParams(top_p=0.5)).probabilities(LOGITS)
-    assert torch.allclose(probs, torch.tensor([1.0, 0.0, 0.0, 0.0]))
+    assert torch.allclose(probs, torch.tensor([1.0, 0.0, 0.0, 0.0]))  # a set holding exactly top_p suffices
+    probs = Sampler(SamplingParams(top_p=0.5 + 1e-4)).probabilities(LOGITS)  # just above it: one more token
+    assert torch.allclose(probs, torch.tensor([0.625, 0.375, 0.0, 0.0]))
+
+
+def ulps(x: torch.Tensor, n: int) -> torch.Tensor:
+    """x moved n float32 ulps (up for n > 0): a CPU whose vector log rounds the other way."""
+    for _ in range(abs(n)):
+        x = torch.nextafter(x, torch.full_like(x, math.inf if n > 0 else -math.inf))
+    return x
+
+
+@pytest.mark.parametrize("shift", [-4, -1, 0, 1, 4])
+def test_the_top_p_and_min_p_boundaries_do_not_depend_on_the_last_ulp(shift):
+    """exp(log(0.5)) lands on either side of 0.5 with the CPU's vector math: the rule must not."""
+    top_moved = LOGITS.clone()
+    top_moved[0] = ulps(LOGITS[:1], shift)[0]
+    for logits in (ulps(LOGITS, shift), top_moved):  # every logit rounded the other way, or only the first
+        at_p = Sampler(SamplingParams(top_p=0.5)).probabilities(logits)
+        assert torch.count_nonzero(at_p) == 1, logits
+        at_floor = Sampler(SamplingParams(min_p=0.6)).probabilities(logits)  # 0.3 is at 0.6 × 0.5
+        assert torch.count_nonzero(at_floor) == 2, logits
 
 
 def test_top_p_matches_transformers():

@@ -7,11 +7,20 @@
 whole softmax by inverse CDF (one float64 cumulative sum: float32 would give the vocabulary's tail
 tokens a rounded share). Filtered rows need only the most likely tokens: `torch.topk` takes the first
 64 (or top_k's k), and a row is decided when the cut ends inside them — top-k's k is inside; top-p's
-mass is reached (`cumsum[K-1] >= top_p`: every later token is dropped); min-p's threshold is passed.
+mass is reached (every later token is dropped); min-p's threshold is passed.
 An undecided row (a flat distribution) keeps every token above a probability threshold that still
 holds its whole cut, and sorts only those. The kept set is exactly the one a full sort gives (as
 transformers: top-k → top-p on the renormalised top-k → min-p relative to the most likely token). A
 full sort of 49,152 logits took 3-6 ms here on one thread; the topk about 0.1 ms.
+
+The boundaries, as vLLM and transformers draw them: top-p keeps the smallest set of most likely tokens
+whose mass reaches top_p (a set holding exactly top_p suffices: the next token is dropped); min-p keeps
+a token whose probability equals min_p × p_max. Both compare numbers computed from float32 logits, and
+the last bit of a float32 log or exp differs between CPUs' vector math (`exp(log(0.5))` lands on either
+side of 0.5), so a comparison within rounding of its boundary is decided as at the boundary: a mass
+below top_p by a relative `SLACK` (1e-6, about eight float32 ulps) or less reaches it, and a probability
+that close below min-p's floor is kept. The slack moves a cut only where rounding would otherwise
+decide it.
 """
 
 from __future__ import annotations
@@ -19,6 +28,17 @@ from __future__ import annotations
 import torch
 
 FIRST_K = 64
+SLACK = 1e-6  # differences this small are float32 rounding, not the distribution (see the module's docstring)
+
+
+def reaches(mass: float, top_p: float) -> bool:
+    """Whether a nucleus holding `mass` (of 1) has reached top_p: at it or below by a relative SLACK."""
+    return mass >= top_p * (1.0 - SLACK)
+
+
+def below_floor(q: float, floor: float) -> bool:
+    """Whether min-p drops a token of probability q: below the floor by more than rounding."""
+    return q < floor * (1.0 - SLACK)
 
 
 def is_filtered(top_k: int, top_p: float, min_p: float, vocab_size: int) -> bool:
@@ -105,12 +125,12 @@ def _cut(p: list[float], top_k: int, top_p: float, min_p: float, full: bool) -> 
     floor = min_p * p[0]
     kept, before, stopped = [], 0.0, False
     for q in p:
-        if q <= 0.0 or (top_p < 1.0 and before >= top_p) or (min_p > 0.0 and q < floor):
+        if q <= 0.0 or (top_p < 1.0 and reaches(before, top_p)) or (min_p > 0.0 and below_floor(q, floor)):
             stopped = True
             break
         kept.append(q)
         before += q / mass
-    if full or top_k or stopped or (top_p < 1.0 and before >= top_p):
+    if full or top_k or stopped or (top_p < 1.0 and reaches(before, top_p)):
         return kept
     return None
 
@@ -132,7 +152,7 @@ def _by_threshold(row: torch.Tensor, lse: torch.Tensor, below: float, top_p: flo
     the sorted prefix that reaches top_p); min-p's within {p >= min_p × p_max}. `below`: a probability
     the nucleus already goes under (the first round's last candidate), where the search for t starts."""
     p = torch.exp(row.float() - lse.float())  # [V]
-    t = min_p * float(p.max()) if min_p > 0 else 0.0
+    t = min_p * float(p.max()) * (1.0 - 2 * SLACK) if min_p > 0 else 0.0  # a float32 bound: kept wider
     if top_p < 1.0:
         nucleus = below / 16
         while nucleus > 0 and float(p[p >= nucleus].sum(dtype=torch.float64)) < top_p:
