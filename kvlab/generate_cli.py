@@ -359,6 +359,16 @@ def _json_output(llm, out, args) -> dict:
     return d
 
 
+def chat_hint(llm, out, args) -> str | None:
+    """A raw completion that ran to --max-tokens on a model with a chat template: most likely a question
+    the user meant to ask (`echo hi | kvlab run MODEL` continues "hi" as text). Point to --chat."""
+    tokenizer = llm.tokenizer
+    if getattr(args, "chat", True) or out.finish_reason != "length" or not getattr(tokenizer, "chat_template", None):
+        return None
+    return (f"note: the prompt was continued as raw text up to --max-tokens {args.max_tokens}; "
+            f"to ask {args.model} a question, add --chat (its chat template)")  # fmt: skip
+
+
 def _mib(n: int) -> str:
     return f"{n / 2**20:.2f} MiB"
 
@@ -384,6 +394,9 @@ def print_report(llm, out, args, file) -> None:
     ]  # fmt: skip
     if llm.engine.spec is not None:
         lines.append(speculative_line(llm))
+    hint = chat_hint(llm, out, args)
+    if hint:
+        lines.append(hint)
     mtp = len(llm.config.mtp_layers)
     if mtp:
         lines.append(f"MTP heads  {mtp} layer(s) in the checkpoint, kept out of the trunk and the KV pool (not run)")

@@ -436,6 +436,8 @@ def test_kvlab_run_prints_the_speculative_line(tiny_chat_model):
     assert r.returncode == 0, r.stderr
     line = next(x for x in r.stderr.splitlines() if x.startswith("speculative ngram"))
     assert "α" in line and "mean acceptance length" in line and "speedup predicted" in line
+    # one decode rate in the footer (its decode line); the speculative line's rate is the plain steps', labelled
+    assert line.count("tok/s") <= 1 and ("tok/s" not in line or "tok/s without drafts" in line), line
     import json
 
     # the target as its own draft: greedy, every draft is accepted

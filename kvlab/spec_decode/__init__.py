@@ -104,7 +104,9 @@ class SpecReport:
         if self.verify_ratio:
             text += f" ({self.predicted_speedup_with_r:.2f}× with a verification costing r {self.verify_ratio:.2f} steps)"
         if self.measured_speedup:
-            text += f", measured {self.measured_speedup:.2f}× ({self.spec_tok_s:.1f} vs {self.plain_tok_s:.1f} tok/s plain)"
+            # the footer's decode line is the one decode rate: beside it, only the plain steps' rate, labelled
+            text += (f", measured {self.measured_speedup:.2f}× against this run's plain-decode comparison "
+                     f"steps ({self.plain_tok_s:.1f} tok/s without drafts)")  # fmt: skip
             if self.measured_speedup < 1:
                 text += ": speculation was slower than plain decoding here"
         else:
