@@ -24,6 +24,11 @@ COMMAND_MODULES = [
     "kvlab.bench.cli",
 ]
 
+# commands whose `model` (and `speculative_model`) is a kvlab model argument: a registry name, a .gguf
+# file or a model folder. cli checks it before the command runs, so that a misspelt name or a missing
+# file is one line at once, before the command imports torch. (`kvlab mem` names configs, not models.)
+MODEL_COMMANDS = ("run", "chat", "serve", "quality", "lab", "bench")
+
 
 class HelpWithDefaults(argparse.HelpFormatter):
     """Help that ends each option with its default, unless the text already says it or there is none
@@ -99,6 +104,17 @@ def parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.N
     return args
 
 
+def check_model_args(args: argparse.Namespace) -> None:
+    """The checks of a command's model arguments that need neither a download nor torch (see MODEL_COMMANDS)."""
+    if args.command not in MODEL_COMMANDS:
+        return
+    from kvlab import hub
+
+    for value in (getattr(args, "model", None), getattr(args, "speculative_model", None)):
+        if value is not None:
+            hub.check_model_arg(str(value))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parse(parser, argv)
@@ -106,6 +122,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
+        check_model_args(args)
         return int(args.func(args) or 0)
     except KvlabError as e:
         if args.debug:

@@ -57,6 +57,8 @@ class GGUFFile:
         self.path = Path(path)
         if not self.path.is_file():
             raise KvlabError(f"no such file: {self.path}")
+        if self.path.stat().st_size == 0:
+            raise KvlabError(f"{self.path} is empty (truncated to 0 bytes); pull or download it again")
         try:
             # a plain ndarray view of the map: slicing np.memmap objects costs a Python hook per slice
             self._map = np.asarray(np.memmap(self.path, dtype=np.uint8, mode="r"))
@@ -65,6 +67,8 @@ class GGUFFile:
         try:
             with open(self.path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as header:
                 self.metadata, self.tensors = _parse(header)  # mmap slices are bytes: fast to decode
+        except TruncatedHeader as e:
+            raise KvlabError(f"{self.path} is truncated: {e}; pull or download it again") from None
         except (struct.error, UnicodeDecodeError, ValueError, IndexError, MemoryError) as e:
             raise KvlabError(f"{self.path} is not a valid GGUF file ({e}); pull or download it again") from None
         end = max((t.offset + t.nbytes for t in self.tensors.values()), default=0)
@@ -99,15 +103,19 @@ class GGUFFile:
             raise KvlabError(f"GGUF tensor type {qtype.name} ({name}) cannot be dequantized yet") from None
 
 
+class TruncatedHeader(ValueError):
+    """The header runs past the end of the file: a download or copy cut short."""
+
+
 def _parse(buf: mmap.mmap) -> tuple[dict[str, Any], dict[str, TensorInfo]]:
-    if buf[:4] != b"GGUF":
+    if not b"GGUF".startswith(buf[:4]):  # a file of 1-3 bytes may be the start of the magic
         raise ValueError("bad magic: not a GGUF file")
-    version, num_tensors, num_kv = struct.unpack_from("<IQQ", buf, 4)
+    reader = _Reader(buf, 0)
+    _, version, num_tensors, num_kv = reader.unpack("<4sIQQ")
     if version not in (2, 3):
         raise ValueError(f"GGUF version {version} is not supported")
     if num_tensors > 1_000_000 or num_kv > 1_000_000:
         raise ValueError("absurd tensor or metadata count")
-    reader = _Reader(buf, 24)
     metadata = {}
     for _ in range(num_kv):
         key = reader.string()
@@ -116,11 +124,10 @@ def _parse(buf: mmap.mmap) -> tuple[dict[str, Any], dict[str, TensorInfo]]:
     for _ in range(num_tensors):
         name = reader.string()
         n_dims = reader.u32()
-        dims = struct.unpack_from(f"<{n_dims}Q", buf, reader.pos)
-        reader.pos += 8 * n_dims
-        ggml_type = reader.u32()
-        offset = struct.unpack_from("<Q", buf, reader.pos)[0]
-        reader.pos += 8
+        if n_dims > 8:
+            raise ValueError(f"tensor {name} has {n_dims} dimensions")
+        dims = reader.unpack(f"<{n_dims}Q")
+        ggml_type, offset = reader.unpack("<IQ")
         infos.append((name, tuple(reversed(dims)), ggml_type, offset))
     alignment = int(metadata.get("general.alignment", 32))
     data_start = -(-reader.pos // alignment) * alignment
@@ -146,31 +153,48 @@ class _Reader:
     def __init__(self, buf: mmap.mmap, pos: int):
         self.buf, self.pos = buf, pos
 
+    def need(self, num_bytes: int) -> None:
+        """TruncatedHeader unless `num_bytes` more bytes follow the position."""
+        if self.pos + num_bytes > len(self.buf):
+            raise TruncatedHeader(f"its header runs past the end of the file ({len(self.buf):,} bytes)")
+
+    def unpack(self, fmt: str) -> tuple:
+        size = struct.calcsize(fmt)
+        self.need(size)
+        values = struct.unpack_from(fmt, self.buf, self.pos)
+        self.pos += size
+        return values
+
     def u32(self) -> int:
-        value = struct.unpack_from("<I", self.buf, self.pos)[0]
-        self.pos += 4
-        return value
+        return self.unpack("<I")[0]
 
     def string(self) -> str:
-        (length,) = struct.unpack_from("<Q", self.buf, self.pos)
-        start = self.pos + 8
-        self.pos = start + length
-        if self.pos > len(self.buf):
-            raise ValueError("string runs past the end of the file")
+        (length,) = self.unpack("<Q")
+        self.need(length)
+        start = self.pos
+        self.pos += length
         return self.buf[start : self.pos].decode("utf-8")
 
     def strings(self, count: int) -> list[str]:
         """An array of strings (a vocabulary: 150k of them), read in one tight loop."""
         raw, pos, unpack = self.buf, self.pos, struct.Struct("<Q").unpack_from
         out = []
-        for _ in range(count):
-            (length,) = unpack(raw, pos)
-            pos += 8
-            out.append(raw[pos : pos + length].decode("utf-8"))
-            pos += length
-        if pos > len(raw):
-            raise ValueError("string array runs past the end of the file")
+        try:
+            for _ in range(count):
+                (length,) = unpack(raw, pos)
+                pos += 8
+                out.append(raw[pos : pos + length].decode("utf-8"))
+                pos += length
+        except struct.error:  # no room for the next length
+            self.pos = pos
+            self.need(8)
+            raise
+        except UnicodeDecodeError:  # a string cut short (or not UTF-8)
+            self.pos = pos
+            self.need(length)
+            raise
         self.pos = pos
+        self.need(0)  # the last string ran past the end
         return out
 
     def value(self, vtype: int) -> Any:
@@ -178,19 +202,16 @@ class _Reader:
             return self.string()
         if vtype == _ARRAY:
             elem_type = self.u32()
-            (count,) = struct.unpack_from("<Q", self.buf, self.pos)
-            self.pos += 8
+            (count,) = self.unpack("<Q")
             if elem_type == _STRING:
                 return self.strings(count)
             if elem_type in _SCALARS:
                 dtype = np.dtype(_SCALARS[elem_type][1])
+                self.need(count * dtype.itemsize)
                 arr = np.frombuffer(self.buf, dtype=dtype, count=count, offset=self.pos)
                 self.pos += count * dtype.itemsize
                 return arr.tolist()
             return [self.value(elem_type) for _ in range(count)]
         if vtype not in _SCALARS:
             raise ValueError(f"unknown metadata value type {vtype}")
-        fmt = _SCALARS[vtype][0]
-        (value,) = struct.unpack_from(fmt, self.buf, self.pos)
-        self.pos += struct.calcsize(fmt)
-        return value
+        return self.unpack(_SCALARS[vtype][0])[0]

@@ -175,18 +175,24 @@ def looks_like_path(arg: str) -> bool:
     return "/" in arg or "\\" in arg or arg.startswith(("~", ".")) or arg.lower().endswith(".gguf")
 
 
+def check_model_arg(arg: str) -> None:
+    """KvlabError unless `arg` is a registry name (pulled or not) or an existing path: a misspelt name
+    ("did you mean ...?") or a missing file, found without downloading or importing anything."""
+    if arg in REGISTRY or Path(arg).expanduser().exists():
+        return
+    if looks_like_path(arg):
+        raise KvlabError(f"file not found: {arg} (give an existing .gguf file or model folder, or a registry name)")
+    raise unknown_name_error(arg)
+
+
 def resolve_model(arg: str) -> Path | str:
     """Turn a model argument into a path: a registry name (must be pulled) or an existing path."""
     if arg in REGISTRY:
         if not is_pulled(arg):
             raise KvlabError(f"model {arg} is not pulled yet: run `kvlab pull {arg}`")
         return model_path(arg)
-    path = Path(arg).expanduser()
-    if path.exists():
-        return path
-    if looks_like_path(arg):
-        raise KvlabError(f"file not found: {arg} (give an existing .gguf file or model folder, or a registry name)")
-    raise unknown_name_error(arg)
+    check_model_arg(arg)
+    return Path(arg).expanduser()
 
 
 def ensure_pulled(arg: str, quiet: bool = False) -> None:
@@ -267,12 +273,17 @@ def _assemble(
 
 
 def _progress(entry: RegistryEntry, quiet: bool):
-    """A tqdm bar over the bytes of the assembled file."""
+    """A tqdm bar over the bytes of the assembled file, on stderr when it is a terminal; one plain line
+    when it is not (a log, a pipe); nothing when quiet."""
     from tqdm import tqdm
 
+    on_terminal = sys.stderr.isatty()
+    if not quiet and not on_terminal:
+        print(f"kvlab: assembling {entry.name} ({entry.size_bytes / 1e6:.1f} MB) and checking its sha256",
+              file=sys.stderr, flush=True)  # fmt: skip
     return tqdm(
         total=entry.size_bytes, unit="B", unit_scale=True, unit_divisor=1024,
-        desc=f"assembling {entry.name}", disable=quiet,
+        desc=f"assembling {entry.name}", disable=quiet or not on_terminal, file=sys.stderr,
     )  # fmt: skip
 
 
@@ -296,12 +307,18 @@ def _download(
         "--disable-pip-version-check",
         "-d", str(dest), *pip_args, *entry.packages,
     ]  # fmt: skip
+    # pip writes its progress to its stdout: never ours, which holds only the answer (`pull -q`'s paths,
+    # `run --json`'s JSON). Its stdout is our stderr, so its own bar shows on a terminal, plain lines
+    # otherwise; its stderr is kept for the one-line error.
     proc = subprocess.run(
         cmd,
-        stdout=subprocess.DEVNULL if quiet else None,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL if quiet else _stderr_fd(),
         stderr=subprocess.PIPE,
         text=True,
     )
+    if proc.stdout:  # captured: sys.stderr had no file descriptor to hand pip
+        sys.stderr.write(proc.stdout)
     if proc.returncode != 0:
         raise KvlabError(
             f"could not download {entry.name}: {_pip_reason(proc.stderr)}; "
@@ -315,6 +332,16 @@ def _download(
                 f"run `kvlab pull {entry.name}` again"
             )
     return wheels
+
+
+def _stderr_fd() -> int:
+    """sys.stderr's file descriptor, for a child process to write its progress to; PIPE (capture it)
+    when sys.stderr has none (a test's capture, a notebook)."""
+    try:
+        sys.stderr.flush()
+        return sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):  # io.UnsupportedOperation is both
+        return subprocess.PIPE
 
 
 def _dist_key(package: str) -> str:

@@ -20,7 +20,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("names", nargs="*", metavar="NAME",
                    help=f"registry name ({hub.known_names()}); none: the default, {hub.DEFAULT_MODEL}")  # fmt: skip
     p.add_argument("--all", action="store_true", help="pull every registry model")
-    p.add_argument("-q", "--quiet", action="store_true", help="print only the final paths")
+    p.add_argument("-q", "--quiet", action="store_true", help="print only the models' paths, one a line (no progress)")
     p.set_defaults(func=cmd_pull)
 
     p = subparsers.add_parser(
@@ -60,6 +60,9 @@ def cmd_pull(args: argparse.Namespace) -> int:
     for name in names:
         already = hub.is_pulled(name)
         path = hub.pull(name, quiet=args.quiet)
+        if args.quiet:  # for scripts: `MODEL=$(kvlab pull -q NAME)`
+            print(path)
+            continue
         note = " (already pulled)" if already else ""
         print(f"{name}: {path} ({_mb(path.stat().st_size)} MB){note}")
     return 0

@@ -69,7 +69,7 @@ def table(models: list[dict]) -> str:
         rows.append([
             m["name"],
             f"{m['size'] / 1e9:.2f} GB" if m["size"] >= 1e8 else f"{m['size'] / 1e6:.0f} MB",
-            f"{k.get('device', '?')}, {k.get('threads', '?')} threads" if k.get("device") == "cpu" else k.get("device", "?"),
+            f"cpu, {_threads(k.get('threads'))}" if k.get("device") == "cpu" else k.get("device", "?"),
             f"{m.get('context_length', 0):,}",
             f"{used}/{total} blocks ({used / total:.0%}) of {k.get('kv_pool_bytes', 0) / 2**20:.0f} MiB",
             f"{k.get('requests_running', 0)} running, {k.get('requests_waiting', 0)} waiting",
@@ -77,3 +77,8 @@ def table(models: list[dict]) -> str:
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
     lines = ["   ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
     return "\n".join(lines) if models else "\n".join(lines) + "\n(the server holds no model)"
+
+
+def _threads(n) -> str:
+    """"1 thread", "4 threads"; "? threads" when the server does not say."""
+    return f"{n} thread{'' if n == 1 else 's'}" if n is not None else "? threads"

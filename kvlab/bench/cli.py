@@ -10,21 +10,29 @@ from kvlab.errors import KvlabError
 
 
 def register(subparsers) -> None:
-    bench = subparsers.add_parser("bench", help="benchmarks: `kvlab bench serve` loads a server with concurrent requests")
+    bench = subparsers.add_parser(
+        "bench", help="benchmarks: `kvlab bench serve` loads a server with concurrent requests",
+        description="Benchmarks of the serving engine. `kvlab bench serve --help` for the one there is.",
+    )  # fmt: skip
     sub = bench.add_subparsers(dest="bench_command", metavar="BENCHMARK")
-    p = sub.add_parser("serve", help="N concurrent requests against a server URL or an in-process engine")
+    p = sub.add_parser(
+        "serve", help="N concurrent requests against a server URL or an in-process engine",
+        description="Send --num-requests requests of random tokens, --concurrency at a time, to a running server "
+                    "(--url) or to an engine in this process (--model); report the throughput, TTFT and TPOT "
+                    "(p50, p99) and the prefix-cache hit rate.",
+    )  # fmt: skip
     target = p.add_mutually_exclusive_group(required=True)
     target.add_argument("--url", help="a running kvlab (or any OpenAI-compatible) server, e.g. http://127.0.0.1:8000")
     target.add_argument("--model", help="run an engine in this process on this model instead")
     p.add_argument("--served-model-name", help="model name to send to the server (default: its first model)")
     p.add_argument("--api-key", help="Bearer key for the server (default: $KVLAB_API_KEY)")
     w = p.add_argument_group("workload")
-    w.add_argument("--num-requests", type=int, default=16)
+    w.add_argument("--num-requests", type=int, default=16, help="requests to send in all")
     w.add_argument("--concurrency", type=int, default=16, help="requests in flight at once")
     w.add_argument("--prompt-len", type=int, default=64, help="tokens of each prompt after the shared prefix")
     w.add_argument("--output-len", type=int, default=64, help="tokens generated per request (EOS ignored)")
     w.add_argument("--shared-prefix-len", type=int, default=0, help="tokens every prompt starts with")
-    w.add_argument("--seed", type=int, default=0)
+    w.add_argument("--seed", type=int, default=0, help="seed of the prompts' random tokens")
     w.add_argument("--max-duration", type=float, default=600.0, help="seconds; requests still running then are aborted")
     p.add_argument("--json", help="also write the results as JSON to this file ('-' for standard output)")
     from kvlab.generate_cli import _add_model_args

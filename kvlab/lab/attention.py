@@ -117,6 +117,7 @@ def run(lab: Lab) -> AttentionResult:
     try:
         for n in lengths:
             points.append(measure_length(lab, n, bar, notes))
+            bar.save(AttentionResult(points, notes))
     finally:
         lab.model.set_attention("sdpa")
         bar.close()

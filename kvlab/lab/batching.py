@@ -71,12 +71,12 @@ def run(lab: Lab) -> BatchingResult:
         timing = lab.measure(lambda: forward(lab.model, cache, ids), setup=lambda: cache.truncate(0))
         one = passes[0].timing.median_s if passes else timing.median_s
         passes.append(PassPoint(n, timing, timing.median_s * 1e3 / n, timing.median_s / one))
-        bar.update()
+        bar.update(BatchingResult(passes, []))
     sequences = []
     for n in counts:
         bar.set_postfix_str(f"{n} sequences")
         sequences.append(decode_sequences(lab, n))
-        bar.update()
+        bar.update(BatchingResult(passes, sequences))
     bar.close()
     notes = [f"sequences: {sequences[0].steps} decode steps each after a "
              f"{QUICK_PROMPT if lab.quick else PROMPT}-token prompt (prefilled untimed)"]  # fmt: skip

@@ -101,7 +101,7 @@ def run(lab: Lab) -> BitsResult:
             step, 1 / step.median_s, predicted, (1 / step.median_s) / predicted, tokens, tokens / prefill.median_s,
         ))  # fmt: skip
         lab.release(dtype, quantization, stored)  # one extra copy of the weights in memory at a time
-        bar.update()
+        bar.update(BitsResult(bandwidth, points, notes))
     bar.close()
     return BitsResult(bandwidth, points, notes)
 

@@ -86,7 +86,7 @@ def run(lab: Lab) -> CacheResult:
             tokens_per_uncached_step=context + (n + 1) / 2, tokens_equal=cached_ids[1 : n + 1] == produced,
             cached_ids=cached_ids, uncached_ids=[cached_ids[0]] + produced,
         ))  # fmt: skip
-        bar.update()
+        bar.update(CacheResult(points, all(p.tokens_equal for p in points), list(notes)))
     bar.close()
     caps = ", ".join(f"{p.uncached_steps} at context {p.context:,}" for p in points)
     notes.append(f"the no-cache runs are capped at a few steps ({caps}) so that they finish; tok/s counts steps")

@@ -5,8 +5,10 @@
     kvlab lab all --model smollm2-135m --out lab-smol --compare transformers
     kvlab lab report lab-qwen/results.json
 
-results.json is written after every experiment, so an interrupted run keeps what it measured; running
-single experiments into the same --out adds them to its results (same model, dtype and sizes).
+results.json is written after every point an experiment finishes, so an interrupted or slow run keeps
+what it measured; running single experiments into the same --out adds them to its results (same model,
+dtype and sizes). Without --threads the lab takes fewer threads when other programs hold cores, as
+`kvlab run` does (lab/busy.py).
 """
 
 from __future__ import annotations
@@ -44,7 +46,8 @@ def register(subparsers) -> None:
     p.add_argument("--repeat", default="3", metavar="K", help="timed runs per point: median, min and max (default 3)")
     p.add_argument("--quick", action="store_true", help="tiny sizes, for tests: seconds, not minutes")
     p.add_argument("--dtype", default="float32", help=f"weights' dtype: {', '.join(DTYPE_NAMES)} (default float32)")
-    p.add_argument("--threads", metavar="N", help="CPU threads for torch (default: one per core)")
+    p.add_argument("--threads", metavar="N",
+                   help="CPU threads (default: one per core, fewer when other programs keep cores busy)")
     p.add_argument("--compare", metavar="LIB", help="`transformers`: repeat phases and cache with transformers")
     p.add_argument("--max-prompt", metavar="T",
                    help="longest prompt to prefill; longer sizes are skipped and listed in the report")
@@ -141,9 +144,7 @@ def command_line(args, settings: Settings, out: Path) -> str:
 def measure(args, names: list[str], settings: Settings) -> int:
     import torch
 
-    threads_before = torch.get_num_threads()
-    if settings.threads:
-        torch.set_num_threads(settings.threads)
+    threads_before = torch.get_num_threads()  # run_experiments sets the lab's own
     try:
         return run_experiments(args, names, settings)
     finally:
@@ -152,17 +153,21 @@ def measure(args, names: list[str], settings: Settings) -> int:
 
 def run_experiments(args, names: list[str], settings: Settings) -> int:
     from kvlab.hub import ensure_pulled
-    from kvlab.lab.common import Lab, load_average, machine_facts, model_facts, now
+    from kvlab.kernels import cpu_load
+    from kvlab.lab.common import Lab, machine_facts, model_facts, now
     from kvlab.lab.plots import pyplot
-    from kvlab.lab.report import load_results, render, verdict_text, write_results
+    from kvlab.lab.report import busy_text, load_results, render, verdict_text, write_results
     from kvlab.model.loader import load_model
 
     pyplot()  # the report's plots need matplotlib: find out now, not after every experiment has run
     ensure_pulled(args.model)
     machine = machine_facts()  # before loading: free RAM and load average as the run found them
+    before_load = cpu_load.snapshot()
     loaded = load_model(args.model, dtype=settings.dtype)
+    machine, threads = set_threads(machine, settings, cpu_load.measure(before_load))  # others' load as it loaded
     out = Path(args.out or f"lab-{model_label(args.model)}")
-    print(f"kvlab lab: measuring {args.model}; results go to {out.resolve()}", file=sys.stderr, flush=True)
+    print(f"kvlab lab: measuring {args.model} with {threads}; results go to {out.resolve()}",
+          file=sys.stderr, flush=True)  # fmt: skip
     results = {
         "kvlab_lab_version": 1, "command": command_line(args, settings, out), "started": now(),
         "machine": asdict(machine), "model": asdict(model_facts(model_label(args.model), loaded, settings.dtype)),
@@ -180,12 +185,7 @@ def run_experiments(args, names: list[str], settings: Settings) -> int:
     try:
         for name in names:
             module = experiment_module(name)
-            started, start, load = now(), time.perf_counter(), load_average()
-            data = asdict(module.run(lab))
-            data.update(started=started, finished=now(), wall_s=time.perf_counter() - start,
-                        load_average=load, command=results["command"])  # fmt: skip
-            results["experiments"][name] = data
-            write_results(results, out)
+            data = run_experiment(module, lab, results, out, machine.threads)
             verdict = verdict_text(module, data, settings.quick)
             print(f"## {module.TITLE}\n\n{module.table(data)}\n\n{verdict}\n", flush=True)
         if settings.compare:
@@ -201,7 +201,58 @@ def run_experiments(args, names: list[str], settings: Settings) -> int:
             write_results(results, out)
             report = render(results, out)
             print(f"wrote {(out / 'results.json').resolve()} and {report.resolve()} (with its plots)", file=sys.stderr)
+            busy = busy_text(results)
+            if busy:
+                print(f"kvlab lab: {busy.replace('**', '')}", file=sys.stderr)
     return 0
+
+
+def run_experiment(module, lab, results: dict, out: Path, threads: int) -> dict:
+    """Run one experiment into results["experiments"], writing results.json after every point it finishes
+    (marked `partial`) and at its end: an interrupted or slow run keeps what it measured."""
+    from kvlab.kernels import cpu_load
+    from kvlab.lab.busy import load_fields
+    from kvlab.lab.common import load_average, now
+    from kvlab.lab.report import write_results
+
+    started, start, load, before = now(), time.perf_counter(), load_average(), cpu_load.snapshot()
+
+    def save(result, partial: dict | None = None) -> dict:
+        """The figures as results.json keeps them, with when, how long, and how busy the CPUs were meanwhile."""
+        data = asdict(result)
+        data.update(started=started, finished=now(), wall_s=time.perf_counter() - start, load_average=load,
+                    cpu_load=load_fields(cpu_load.measure(before)), threads=threads, command=results["command"])
+        if partial:
+            data["partial"] = partial
+        results["experiments"][module.NAME] = data
+        write_results(results, out)
+        return data
+
+    lab.on_point = lambda result, done, total: save(result, {"points_done": done, "points_total": total})
+    try:
+        return save(module.run(lab))
+    finally:
+        lab.on_point = None
+
+
+def set_threads(machine, settings: Settings, load):
+    """Choose the lab's threads as `kvlab run` does (lab/busy.py) and set torch's: (the machine's facts
+    with them, the line that says what was chosen and why)."""
+    import dataclasses
+
+    import torch
+
+    from kvlab.lab.busy import choose_threads
+
+    default = torch.get_num_threads()  # one per core, as torch counts them
+    threads = choose_threads(settings.threads, load, default)
+    torch.set_num_threads(threads)
+    text = f"{threads} thread{'s' if threads != 1 else ''}"
+    if settings.threads and load is not None and load.threads_for(threads) < threads:
+        text += f" (--threads; {load.describe()}: {load.threads_for(threads)} would not wait on them)"
+    elif not settings.threads and threads < default:
+        text += f" ({load.describe()}; --threads N overrides)"
+    return dataclasses.replace(machine, threads=threads, cpu_others_busy=load.others_busy if load else None), text
 
 
 def report_command(args) -> int:

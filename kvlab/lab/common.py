@@ -91,6 +91,7 @@ class MachineFacts:
     ram_available_bytes: int  # at the start of the run
     load_average: float  # 1-minute load average at the start: other programs competing for the CPUs
     gemv_kernel: bool  # kvlab's decode GEMV kernel enabled (KVLAB_KERNELS != 0)
+    cpu_others_busy: float | None = None  # cores' worth other programs used while the model loaded (lab/busy.py)
 
 
 def meminfo_bytes(key: str) -> int:
@@ -200,6 +201,8 @@ class Lab:
     max_point_s: float = 120.0  # a point stops repeating once its timed runs took this long
     seed: int = 0
     show_progress: bool = True
+    # called with a partial result (a dataclass), the points done and the total, as each point finishes
+    on_point: Callable[[object, int, int], None] | None = None
     _other_dtypes: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -262,12 +265,40 @@ class Lab:
     def release(self, dtype: str, quantization: str | None = None, stored: bool = False) -> None:
         self._other_dtypes.pop((dtype, quantization, stored), None)
 
-    def progress(self, total: int, desc: str):
-        """A progress bar on stderr (tqdm); experiments call .update() and .set_postfix_str()."""
+    def progress(self, total: int, desc: str) -> "Progress":
+        """A progress bar on stderr; experiments call .update(partial) as each point finishes."""
         from tqdm import tqdm
 
-        return tqdm(total=total, desc=desc, unit="pt", file=sys.stderr, leave=False,
-                    disable=not self.show_progress, dynamic_ncols=True)  # fmt: skip
+        bar = tqdm(total=total, desc=desc, unit="pt", file=sys.stderr, leave=False,
+                   disable=not self.show_progress, dynamic_ncols=True)  # fmt: skip
+        return Progress(bar, total, self.on_point)
+
+
+class Progress:
+    """An experiment's points: a tqdm bar, and each partial result handed on to be saved (`Lab.on_point`),
+    so that an interrupted or slow run keeps every point it finished."""
+
+    def __init__(self, bar, total: int, on_point: Callable[[object, int, int], None] | None):
+        self.bar, self.total, self.on_point = bar, total, on_point
+        self.done = 0
+
+    def set_postfix_str(self, text: str) -> None:
+        self.bar.set_postfix_str(text)
+
+    def update(self, partial: object | None = None) -> None:
+        """One point finished; `partial`: the experiment's result so far (its dataclass), to save."""
+        self.done += 1
+        self.bar.update()
+        if partial is not None:
+            self.save(partial)
+
+    def save(self, partial: object) -> None:
+        """Hand the result so far on without advancing (a point made of several bar steps)."""
+        if self.on_point is not None:
+            self.on_point(partial, self.done, self.total)
+
+    def close(self) -> None:
+        self.bar.close()
 
 
 def weight_format_name(dtype: str, quantization: str | None, stored: bool, loaded: LoadedModel) -> str:

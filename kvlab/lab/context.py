@@ -68,7 +68,7 @@ def run(lab: Lab) -> ContextResult:
         kv = cache.bytes_per_token() * (context + (steps + 1) // 2)
         first = points[0].step.median_s if points else step.median_s
         points.append(ContextPoint(context, step, kv, weights, kv / (kv + weights), step.median_s / first))
-        bar.update()
+        bar.update(ContextResult(points, cache.bytes_per_token(), notes))
     bar.close()
     return ContextResult(points, cache.bytes_per_token(), notes)
 

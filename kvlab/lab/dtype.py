@@ -66,7 +66,7 @@ def run(lab: Lab) -> DtypeResult:
             tokens, prefill, tokens / prefill.median_s,
         ))  # fmt: skip
         lab.release(dtype)  # keep one extra copy of the weights in memory at a time
-        bar.update()
+        bar.update(DtypeResult(points, notes))
     bar.close()
     return DtypeResult(points, notes)
 

@@ -67,11 +67,12 @@ class KVDtypePoint:
     decode_step: Timing
     decode_tok_s: float
     max_sequences: float  # full-context sequences in BUDGET bytes
-    mean_kld: float
-    p99_kld: float
-    same_top_p: float
-    ppl: float
-    verdict: str
+    # quality against float32 KV: measured last, for every format together (None until then)
+    mean_kld: float | None = None
+    p99_kld: float | None = None
+    same_top_p: float | None = None
+    ppl: float | None = None
+    verdict: str | None = None
 
 
 @dataclass
@@ -152,6 +153,17 @@ def run(lab: Lab) -> KVDtypeResult:
     settings, more = _settings(lab)
     notes += more
     bar = lab.progress(len(settings) + 1, NAME)
+    result = KVDtypeResult(context, BUDGET, 0, float("nan"), [], notes)
+    for label, formats, config in settings:  # speed and size first, each point saved as it finishes
+        bar.set_postfix_str(label)
+        step = _decode(lab, config, context, steps)
+        plan = plan_kv_pool(EngineConfig(max_model_len=context, kv_memory_bytes=BUDGET, cache_type_k=config.cache_type_k,
+                                         cache_type_v=config.cache_type_v, kv_rotation=config.kv_rotation),
+                            lab.config, lab.model.dtype, lab.model.device)  # fmt: skip
+        result.points.append(KVDtypePoint(label, formats.description, plan.bytes_per_token, step, 1 / step.median_s,
+                                          plan.max_concurrency(context)))  # fmt: skip
+        bar.update(result)
+    # quality last: one pass over the text measures every format at once, and is the longest point
     bar.set_postfix_str("KL divergence")
     kld_tokens = QUICK_KLD_TOKENS if lab.quick else KLD_TOKENS
     window = QUICK_KLD_WINDOW if lab.quick else KLD_WINDOW
@@ -160,23 +172,16 @@ def run(lab: Lab) -> KVDtypeResult:
     policy = ThreadPolicy()
     reference = Candidate("float32", lab.loaded, KVFormats.plain(torch.float32), policy)
     quality = measure(reference, [Candidate(label, lab.loaded, f, policy) for label, f, _ in settings],
-                      ids, window=window, chunk=min(512, window), bos=bos)  # fmt: skip
+                      ids, window=window, chunk=min(512, window), bos=bos,
+                      progress=lambda i, n: bar.set_postfix_str(f"KL divergence, window {i} of {n}"))  # fmt: skip
+    for point, q in zip(result.points, quality):
+        point.mean_kld, point.p99_kld, point.same_top_p, point.ppl, point.verdict = (
+            q.mean_kld, q.p99_kld, q.same_top_p, q.ppl, q.verdict)  # fmt: skip
+    if quality:
+        result.kld_tokens, result.ppl_ref = quality[0].tokens, quality[0].ppl_ref
     bar.update()
-    points = []
-    for (label, formats, config), q in zip(settings, quality):
-        bar.set_postfix_str(label)
-        step = _decode(lab, config, context, steps)
-        plan = plan_kv_pool(EngineConfig(max_model_len=context, kv_memory_bytes=BUDGET, cache_type_k=config.cache_type_k,
-                                         cache_type_v=config.cache_type_v, kv_rotation=config.kv_rotation),
-                            lab.config, lab.model.dtype, lab.model.device)  # fmt: skip
-        points.append(KVDtypePoint(
-            label, formats.description, plan.bytes_per_token, step, 1 / step.median_s,
-            plan.max_concurrency(context), q.mean_kld, q.p99_kld, q.same_top_p, q.ppl, q.verdict,
-        ))  # fmt: skip
-        bar.update()
     bar.close()
-    return KVDtypeResult(context, BUDGET, quality[0].tokens if quality else 0,
-                         quality[0].ppl_ref if quality else float("nan"), points, notes)  # fmt: skip
+    return result
 
 
 def table(data: dict) -> str:
@@ -188,13 +193,21 @@ def table(data: dict) -> str:
         p["formats"], num(p["bytes_per_token"]), "–" if p is base else ratio(p["bytes_per_token"] / base["bytes_per_token"]),
         spread(p["decode_step"]), num(p["decode_tok_s"]),
         "–" if p is base else faster(base["decode_step"]["median_s"] / p["decode_step"]["median_s"]),
-        num(p["max_sequences"], 1), f"{p['mean_kld']:.5f}", f"{p['p99_kld']:.4f}", f"{100 * p['same_top_p']:.2f}%",
-        num(p["ppl"], 3), p["verdict"],
+        num(p["max_sequences"], 1), *_quality_cells(p),
     ] for p in data["points"]]  # fmt: skip
+    if not data["kld_tokens"]:  # an unfinished run: the quality pass comes last
+        return md_table(head, rows) + "\n\nQuality not measured yet (the KL divergence pass comes last)."
     return md_table(head, rows) + (
         f"\n\nPerplexity with float32 KV: {num(data['ppl_ref'], 3)} over {data['kld_tokens']:,} scored positions. "
         "Verdicts as `kvlab quality`: ok = mean KLD ≤ 0.005 and same top ≥ 97%; caution = ≤ 0.03 and ≥ 90%."
     )
+
+
+def _quality_cells(p: dict) -> list[str]:
+    if p.get("mean_kld") is None:
+        return ["–"] * 5
+    return [f"{p['mean_kld']:.5f}", f"{p['p99_kld']:.4f}", f"{100 * p['same_top_p']:.2f}%", num(p["ppl"], 3),
+            p["verdict"]]
 
 
 def _point(data: dict, label: str) -> dict | None:

@@ -63,12 +63,12 @@ def run(lab: Lab) -> PhasesResult:
         bar.set_postfix_str(f"prefill {n}")
         timing = time_prefill(lab, n)
         result.prefill.append(PrefillPoint(n, timing, n / timing.median_s))
-        bar.update()
+        bar.update(result)
     for context in contexts:
         bar.set_postfix_str(f"decode at {context}")
         timing, ids = time_decode(lab, context, steps)
         result.decode.append(DecodePoint(context, steps, timing, steps / timing.median_s, ids))
-        bar.update()
+        bar.update(result)
     bar.close()
     return result
 

@@ -69,14 +69,25 @@ NOT_JUDGED = "Not judged (quick run)"
 
 
 def verdict_text(module, data: dict, quick: bool) -> str:
-    """The experiment's verdict; after --quick its figures are given but the claim is not judged on them."""
+    """The experiment's verdict; after --quick its figures are given but the claim is not judged on them;
+    an unfinished experiment is not judged at all; one measured on a busy machine says so (lab/busy.py)."""
+    from kvlab.lab.busy import caveat
+
+    if data.get("partial"):
+        return unfinished_text(module, data)
     text = module.verdict(data)
-    if not quick:
-        return text
-    for word in ("Held", "Partly held", "Did not hold", "Not judged"):  # held(), or an experiment that cannot judge
-        if text.startswith(word + ":"):
-            return NOT_JUDGED + text[len(word) :]
-    return text
+    if quick:
+        for word in ("Held", "Partly held", "Did not hold", "Not judged"):  # held(), or an experiment that cannot judge
+            if text.startswith(word + ":"):
+                text = NOT_JUDGED + text[len(word) :]
+                break
+    return caveat(text, data)
+
+
+def unfinished_text(module, data: dict) -> str:
+    done, total = data["partial"]["points_done"], data["partial"]["points_total"]
+    return (f"Not judged: unfinished, {done} of {total} points measured (the run was interrupted, or is still "
+            f"going); `kvlab lab {module.NAME}` with the same --out measures it again.")  # fmt: skip
 
 
 def md_table(head: list[str], rows: list[list]) -> str:
@@ -105,10 +116,14 @@ def load_results(path: str | Path) -> dict:
 
 def write_results(results: dict, out_dir: Path) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / RESULTS_FILE
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(results, indent=1) + "\n")
-    tmp.replace(path)  # a crash mid-write never leaves half a file
+    return write_atomically(out_dir / RESULTS_FILE, json.dumps(results, indent=1) + "\n")
+
+
+def write_atomically(path: Path, text: str) -> Path:
+    """Write to a temporary file beside `path`, then rename it: a crash mid-write never leaves half a file."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
     return path
 
 
@@ -129,8 +144,8 @@ def render(results: dict, out_dir: Path) -> Path:
         verdict = verdict_text(module, data, quick)
         summary.append(f"- **{module.TITLE}.** {verdict}")
         parts = [f"## {i}. {module.TITLE}", f"**The claim**, as {module.SOURCE.title} makes it: {module.CLAIM} "
-                 f"*Measured there: {module.MEASURED}.*", module.table(data)]  # fmt: skip
-        if name in PLOTS:
+                 f"*Measured there: {module.MEASURED}.*", table_text(module, data)]  # fmt: skip
+        if name in PLOTS and not data.get("partial"):
             draw(name, data, results["model"]["name"], out_dir / f"{name}.png")
             parts.append(f"![{module.TITLE}]({name}.png)")
         parts.append(f"**Here.** {verdict}")
@@ -139,16 +154,27 @@ def render(results: dict, out_dir: Path) -> Path:
         parts.append(footer(data))
         sections.append("\n\n".join(parts))
     text = "\n\n".join([header(results), "## Summary", "\n".join(summary), *sections]) + "\n"
-    path = out_dir / REPORT_FILE
-    path.write_text(text)
-    return path
+    return write_atomically(out_dir / REPORT_FILE, text)
+
+
+def table_text(module, data: dict) -> str:
+    """The experiment's table; an unfinished one's points so far, where they make a table."""
+    if not data.get("partial"):
+        return module.table(data)
+    try:  # tables are written for finished experiments: some need points that were never measured
+        return module.table(data)
+    except (KeyError, IndexError, TypeError, ValueError, ZeroDivisionError):
+        return "(too few points measured for a table; results.json holds them)"
 
 
 def footer(data: dict) -> str:
-    """How long the experiment took, when it finished, and how busy the machine was as it started."""
+    """How long the experiment took, when it finished, and how busy the machine was."""
     text = f"*{num(data.get('wall_s', 0.0), 0)} s, finished {data.get('finished', '?')}"
     if "load_average" in data:
         text += f", load average {data['load_average']:.1f} at its start"
+    if data.get("cpu_load"):
+        load = data["cpu_load"]
+        text += f", other programs used {load['others_busy']:.1f} of {load['cores']} cores while it ran"
     return text + ".*"
 
 
@@ -179,7 +205,7 @@ def header(results: dict) -> str:
         ["weights in memory", f"{m.get('weight_format', m['dtype'])}, {num(m['weight_bytes'] / 1e6, 0)} MB "
                               f"({num(m['decode_weight_bytes'] / 1e6, 0)} MB streamed per decode step)"],
         ["CPU", f"{mc['cpu_model']}, {mc['cores']} logical CPUs, {mc['threads']} "
-                f"thread{'s' if mc['threads'] > 1 else ''} used"],
+                f"thread{'s' if mc['threads'] > 1 else ''} used{threads_reason(results)}"],
         ["memory", f"{num(mc['ram_total_bytes'] / 2**30, 1)} GiB, {num(mc['ram_available_bytes'] / 2**30, 1)} GiB "
                    "free at the start"],
         ["software", f"torch {mc['torch_version']}, Python {mc['python_version']}, {mc['platform']}, "
@@ -200,11 +226,45 @@ def header(results: dict) -> str:
     if s.get("quick"):
         lines.append("**Quick run**: tiny sizes for testing; the figures say nothing about the claims, so none "
                      "is judged.")
-    busy = mc["load_average"] - 0.5
-    if busy > 0:
-        lines.append(
-            f"**The machine was busy**: its load average was {mc['load_average']:.1f} on {mc['cores']} logical "
-            "CPUs before the run started, so other programs competed for the CPUs and timings are noisier "
-            "and slower than on an idle machine."
-        )
+    busy = busy_text(results)
+    if busy:
+        lines.append(busy)
     return "\n\n".join(lines)
+
+
+def threads_reason(results: dict) -> str:
+    """Why the lab measured with the threads it did (empty for results from before it chose them)."""
+    mc, requested = results["machine"], results["settings"].get("threads")
+    if requested:
+        return " (--threads)"
+    if mc.get("cpu_others_busy") is None:
+        return ""
+    return (f" (one per core, fewer when other programs hold cores: they used {mc['cpu_others_busy']:.1f} while "
+            "the model loaded; --threads overrides)")  # fmt: skip
+
+
+def busy_text(results: dict) -> str:
+    """A paragraph when other programs slowed the lab's threads down: which experiments, how to rerun."""
+    from kvlab.lab import EXPERIMENTS
+    from kvlab.lab.busy import advice, waited
+
+    experiments = results["experiments"]
+    if not any(d.get("cpu_load") for d in experiments.values()):  # results from before it measured, or not Linux
+        mc = results["machine"]
+        if mc["load_average"] - 0.5 <= 0:
+            return ""
+        return (f"**The machine was busy**: its load average was {mc['load_average']:.1f} on {mc['cores']} logical "
+                "CPUs before the run started, so other programs competed for the CPUs and timings are noisier "
+                "and slower than on an idle machine.")  # fmt: skip
+    hit = [(name, waited(experiments[name])) for name in EXPERIMENTS if name in experiments]
+    hit = [(name, load) for name, load in hit if load is not None]
+    if not hit:
+        return ""
+    name, worst = max(hit, key=lambda h: h[1].others_busy)
+    text = advice(worst, experiments[name]["threads"])
+    if len(hit) == 1:
+        return (f"**The machine was busy** during {name}: {text}. Its timings are slower and noisier than this "
+                "machine can do, and its verdict is not conclusive.")  # fmt: skip
+    return (f"**The machine was busy** during {', '.join(n for n, _ in hit)}: at worst ({name}) {text}. Their "
+            "timings are slower and noisier than this machine can do, and their verdicts are not "
+            "conclusive.")  # fmt: skip

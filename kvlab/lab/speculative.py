@@ -165,7 +165,7 @@ def run(lab: Lab) -> SpecResult:
                 points.append(SpecPoint(workload, kind, proposer, k, rate, plain_rate, rate / plain_rate if plain_rate else 0.0,
                                         s.acceptance_rate, s.mean_acceptance_length, c, verify_s / plain_step,
                                         predicted_speedup(s.acceptance_rate, kk, c), out.token_ids == want))  # fmt: skip
-                bar.update()
+                bar.update(SpecResult(draft, points, plain_rates, notes))
     bar.close()
     return SpecResult(draft, points, plain_rates, notes)
 

@@ -12,7 +12,6 @@ import json
 import sys
 
 from kvlab.errors import KvlabError
-from kvlab.quality.measure import CAUTION_MEAN_KLD, CAUTION_SAME_TOP, OK_MEAN_KLD, OK_SAME_TOP
 
 DEFAULT_TOKENS = 8192
 DEFAULT_WINDOW = 2048
@@ -26,8 +25,8 @@ def register(subparsers) -> None:
         help="how much a quantized KV cache (or weights) changes the model: KL divergence, same top token",
         description="Runs the model over real text twice, position by position: with float32 KV and its own "
                     "weights (the reference), and with the chosen setting. Reports llama.cpp's --kl-divergence "
-                    "statistics and a verdict: ok (mean KLD <= 0.005 and same top >= 97%%), caution (<= 0.03 and "
-                    ">= 90%%), unsafe. Results are kept, and kvlab run / serve warn about an unsafe setting.",
+                    "statistics and a verdict: ok (mean KLD <= 0.005 and same top >= 97%), caution (<= 0.03 and "
+                    ">= 90%), unsafe. Results are kept, and kvlab run / serve warn about an unsafe setting.",
     )  # fmt: skip
     p.add_argument("model", help="registry name, .gguf file, or Hugging Face directory")
     add_kv_cache_args(p)
@@ -115,6 +114,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def render(r: dict, kept) -> str:
+    from kvlab.quality.measure import CAUTION_MEAN_KLD, CAUTION_SAME_TOP, OK_MEAN_KLD, OK_SAME_TOP
+
     change = 100 * (r["ppl"] / r["ppl_ref"] - 1)
     rule = {"ok": f"mean KLD <= {OK_MEAN_KLD} and same top >= {OK_SAME_TOP:.0%}",
             "caution": f"mean KLD <= {CAUTION_MEAN_KLD} and same top >= {CAUTION_SAME_TOP:.0%}",
