@@ -67,6 +67,9 @@ class LLMEngine:
         self.grammars = GrammarCompiler(tokenizer, self.vocab_size, self.eos_token_ids) if tokenizer else None
         sampler = BatchSampler(self.vocab_size, model.device, self.grammars)
         self.runner = ModelRunner(model, self.cache, pack_prompts=config.pack_prompts, policy=policy, sampler=sampler)
+        # what runs a decode step (kvlab/backends): the C backend, or the modules and why, said once here
+        self.decode_path = self.runner.driver.decode_path(self.cache)
+        logger.info("%s", self.decode_path.describe())
         self.stats = EngineStats()
         # speculative decoding (spec_decode/): a proposer drafts, the runner's sample verifies
         from kvlab.spec_decode import SpecDecoder
@@ -117,12 +120,14 @@ class LLMEngine:
         output: RequestOutput | None = None,
         arrival_s: float | None = None,
         cache_salt: str | None = None,
+        client_id: str | None = None,
     ) -> str:
         """Queue a request; it runs from the next step on. Returns its id.
 
         `cache_salt`: the request shares prefix-cache blocks only with requests of the same salt. A request
         with prompt_logprobs is salted apart (its own id): every prompt token must go through the model.
         With n > 1 (or best_of) the prompt is prefilled once and the other choices fork from it.
+        `client_id`: the scheduler shares seats and prompt tokens fairly between clients (scheduler/fair.py).
         """
         self.check_prompt(prompt_token_ids)
         self.check_params(params)
@@ -135,7 +140,7 @@ class LLMEngine:
             request_id, list(prompt_token_ids), params,
             max_tokens=min(params.max_tokens, self.max_model_len - len(prompt_token_ids)),
             eos_token_ids=frozenset(self.eos_token_ids), arrival_s=arrival_s or time.perf_counter(),
-            cache_salt=cache_salt,
+            cache_salt=cache_salt, client_id=client_id,
             fork_ids=tuple(Request.choice_id(request_id, i) for i in range(1, params.num_sequences)),
         )  # fmt: skip
         output = output or RequestOutput(prompt=None, prompt_token_ids=list(prompt_token_ids))
@@ -308,7 +313,7 @@ class LLMEngine:
             for index, child_id in enumerate(child_ids, start=parent.index + 1):
                 child = Request(child_id, list(parent.prompt_token_ids), parent.params, parent.max_tokens,
                                 parent.eos_token_ids, parent.arrival_s, cache_salt=parent.cache_salt,
-                                group_id=parent.group_id, index=index)  # fmt: skip
+                                client_id=parent.client_id, group_id=parent.group_id, index=index)  # fmt: skip
                 child.timings.first_scheduled_s = parent.timings.first_scheduled_s
                 group.live.add(child_id)
                 self._states[child_id] = (child, OutputState(child, self.tokenizer, group.output, group.choice(index)))

@@ -353,6 +353,7 @@ def _json_output(llm, out, args) -> dict:
         tensor_parallel_size=llm.group.world_size,
         load_s=llm.loaded.load_s,
         mtp_layers=len(llm.config.mtp_layers),
+        **llm.engine.decode_path.to_dict(),
     )
     if llm.engine.spec is not None:
         d["speculative"] = llm.engine.spec.report().to_dict()
@@ -394,6 +395,9 @@ def print_report(llm, out, args, file) -> None:
     ]  # fmt: skip
     if llm.engine.spec is not None:
         lines.append(speculative_line(llm))
+    path = llm.engine.decode_path
+    if path.reason and not args.no_cache:  # off the C decode step: say why (it is slower)
+        lines.append(f"decode     on the PyTorch modules, not the C step: {path.reason}")
     hint = chat_hint(llm, out, args)
     if hint:
         lines.append(hint)

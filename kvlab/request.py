@@ -78,6 +78,7 @@ class Request:
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache when first admitted
     num_preemptions: int = 0
     cache_salt: str | None = None  # prefix-cache namespace: blocks are shared only under the same salt
+    client_id: str | None = None  # whom seats and tokens are shared between (scheduler/fair.py); None: anonymous
     # choices (n > 1, best_of): each is a sequence of its own; the first carries the caller's request id
     group_id: str | None = None  # the caller's request id (None: this request's own id)
     index: int = 0  # which choice this sequence is (its seed is seed + index)

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from kvlab import hub
+from kvlab.backends import expected_decode_path
 from kvlab.errors import KvlabError
 
 
@@ -44,6 +45,7 @@ def model_facts(arg: str) -> dict[str, Any]:
         "path": str(path),
         "file_bytes": _bytes_on_disk(path),
         "sha256": hub.REGISTRY[arg].sha256 if arg in hub.REGISTRY else None,
+        **expected_decode_path(config).to_dict(),  # on a CPU: the C step, or the modules and why
     }
     facts.update(extra)
     return facts
@@ -120,6 +122,8 @@ def render(facts: dict[str, Any], template_lines: int = 6) -> str:
         ("layers", facts["layers"]),
         ("attention heads", heads if facts["attention_heads"] else "none"),
         ("vocabulary", f"{facts['vocab_size']:,}" if facts["vocab_size"] else "unknown"),
+        ("decode on a CPU", "the C step (kvlab/backends/cpu.py)" if not facts["decode_path_reason"]
+         else f"the PyTorch modules: {facts['decode_path_reason']}"),
     ]
     file = [("path", facts["path"]), ("size", f"{facts['file_bytes'] / 1e6:.1f} MB"), ("format", facts["format"])]
     if facts["tensor_types"]:

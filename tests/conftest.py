@@ -23,6 +23,21 @@ def pytest_configure(config):
     sys.path.insert(0, str(Path(__file__).parent))  # tests/tiny.py is importable as `tiny`
 
 
+def pytest_sessionstart(session):
+    """With KVLAB_KERNELS=require (`make test`, CI) a kernel build failure ends the run in one line, before
+    any test: the kernels' tests must fail, not skip, when the compiler is broken."""
+    import os
+
+    if os.environ.get("KVLAB_KERNELS") != "require":
+        return
+    from kvlab.kernels import gemv
+
+    try:
+        gemv._ensure_loaded()
+    except gemv.KernelBuildError as e:
+        pytest.exit(f"kvlab: {e}", returncode=1)
+
+
 @pytest.fixture(scope="session")
 def tiny_chat_model(tmp_path_factory):
     """A tiny random llama with a trained byte-level BPE tokenizer and a ChatML template."""

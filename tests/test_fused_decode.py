@@ -13,13 +13,14 @@ import torch
 from kvlab.config import EngineConfig
 from kvlab.engine import LLMEngine
 from kvlab.kernels import ThreadPolicy
-from kvlab.kernels.decode import FusedDecode, _library
+from kvlab.backends.cpu import CpuDecodeBackend
+from kvlab.kernels.decode import library
 from kvlab.model import loader
 from kvlab.model.loader import load_model
 from kvlab.sampling import SamplingParams
 from tiny import add_tiny_tokenizer, build_tiny, build_tiny_gguf
 
-pytestmark = pytest.mark.skipif(not _library(), reason="no C compiler: the fused step is not built")
+pytestmark = pytest.mark.skipif(not library(), reason="no C compiler: the fused step is not built")
 
 
 def mixed(name: str) -> str:
@@ -67,7 +68,7 @@ def serve(loaded, batch: list[list[int]], fused: bool, record: list | None = Non
 
 
 def test_the_model_is_taken_by_the_fused_step(model):
-    assert FusedDecode.for_model(model.model) is not None
+    assert isinstance(CpuDecodeBackend.build(model.model), CpuDecodeBackend)
 
 
 def test_greedy_tokens_and_logits_agree_with_the_layer_by_layer_path(model):
@@ -86,7 +87,7 @@ def test_greedy_tokens_and_logits_agree_with_the_layer_by_layer_path(model):
 
 def test_a_step_that_is_not_all_decodes_runs_the_modules(model, monkeypatch):
     calls = []
-    run = FusedDecode.run
-    monkeypatch.setattr(FusedDecode, "run", lambda self, *a: calls.append(a[0].shape[1]) or run(self, *a))
+    run = CpuDecodeBackend.run
+    monkeypatch.setattr(CpuDecodeBackend, "run", lambda self, *a: calls.append(a[0].shape[1]) or run(self, *a))
     serve(model, prompts(3, seed=2), fused=True)
     assert calls and max(calls) <= 3  # only decode steps (one token per running sequence) were fused

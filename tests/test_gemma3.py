@@ -17,7 +17,7 @@ from tiny import add_tiny_tokenizer, build_tiny, build_tiny_gguf
 
 from kvlab.config import EngineConfig, load_config
 from kvlab.engine import LLMEngine
-from kvlab.kernels.decode import FusedDecode
+from kvlab.backends.cpu import CpuDecodeBackend
 from kvlab.kv.cache import ContiguousKVCache
 from kvlab.model.loader import load_model
 from kvlab.runner.driver import ModelDriver
@@ -72,7 +72,7 @@ def test_the_config_carries_gemmas_facts(pair):
     assert thetas == [10_000.0, 10_000.0, None] * 2
     assert c.rope.theta == 1_000_000.0 and c.embedding_scale == 64**0.5 and c.norm_offset == 1.0
     assert c.layers[0].mixer.scale == 24**-0.5 and c.final_logit_softcap == 30.0 and c.layers[0].norms == 4
-    assert FusedDecode.for_model(loaded.model) is None  # four norms, GELU, windows: decode.c computes none
+    assert isinstance(CpuDecodeBackend.build(loaded.model), CpuDecodeBackend)  # four norms, GELU, windows: all in C
 
 
 def test_last_position_logits_match_transformers_past_the_window(pair):

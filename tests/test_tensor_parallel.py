@@ -53,6 +53,8 @@ def test_logits_and_tokens_are_those_of_one_process(runs):
     # the last request samples without a seed: random from run to run, but the same on every rank
     assert out[2][1]["tokens"] == two["tokens"]
     assert two["preemptions"] > 0 and two["prefix_hit_tokens"] > 0  # the batch exercised both
+    # each rank's shard runs the C decode step, its all-reduces inside it (shared memory, one host)
+    assert [rank["decode_path"] for rank in out[2]] == [["cpu-c", None]] * 2 == [one["decode_path"]] * 2
 
 
 def test_every_rank_holds_the_calculators_share_of_the_kv_cache(runs):

@@ -75,6 +75,7 @@ def main() -> int:
         "kv_bytes_per_token": engine.pool_plan.bytes_per_token,
         "preemptions": engine.scheduler.num_preemptions,
         "prefix_hit_tokens": engine.kv.stats.hits,
+        "decode_path": [engine.decode_path.name, engine.decode_path.reason],
     }
     results = [None] * group.world_size
     if group.world_size > 1:

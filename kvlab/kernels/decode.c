@@ -3,11 +3,13 @@
 //
 // A decode step of a small model is a few hundred small operations; run one by one from Python each
 // costs microseconds of dispatch, which with 4-bit weights is more than the products themselves take.
-// Here a layer is: RMSNorm, the fused q/k/v product (+ bias), per-head q/k RMSNorm (Qwen3), RoPE,
-// the new K and V written into the paged cache through their slots (quantized there into
-// the cache's format), attention over every cached key of each sequence (read through its block
-// table, straight from the stored codes), the o product and the residual, then RMSNorm, the fused
-// gate/up product, SiLU(gate)·up, the down product and the residual.
+// Here a layer is: RMSNorm, the fused q/k/v product (+ bias), per-head q/k RMSNorm (Qwen3, Gemma 3),
+// RoPE (the layer's own table: Python hands its rows), the new K and V written into the paged cache
+// through their slots (quantized there into the cache's format), attention over the cached keys each
+// sequence sees (all of them, or a sliding window's; read through its block table, straight from the
+// stored codes; scores scaled by 1/sqrt(D) or the model's own scale), the o product (normalised again
+// in Gemma's "sandwich" layers) and the residual, then RMSNorm, the fused gate/up product, SiLU(gate)·up
+// or GELU-tanh(gate)·up (Gemma), the down product (normalised again in a sandwich) and the residual.
 //
 // The products are the library's own kernels (gemv.c for float matrices, quant.c for block formats,
 // on the pool), so they give the same bits as the layer-by-layer path; RMSNorm and RoPE too (the
@@ -45,6 +47,8 @@ void kvlab_gemv_bf16(const uint16_t* w, const float* x, const float* bias, float
                      int64_t out, int threads);
 void kvlab_gemv_f16(const _Float16* w, const float* x, const float* bias, float* y, int64_t m, int64_t n,
                     int64_t out, int threads);
+int kvlab_shm_allreduce(uint8_t* segment, int rank, int world, int64_t capacity, float* data, int64_t n, int64_t seq,
+                        double timeout_s);
 int kvlab_quant_matmul(int fmt, const uint8_t* w, int64_t ldw, const float* x, float* y, int64_t m, int64_t n,
                        int64_t ldy, int64_t out, int threads);
 void kvlab_rms_norm_f32(const float* x, const float* w, float* y, int64_t rows, int64_t n, float eps);
@@ -70,12 +74,36 @@ typedef struct {
     int64_t in, out;
 } Linear;
 
+enum { ACT_SILU = 0, ACT_GELU_TANH = 1, ACTIVATIONS = 2 };  // the gated MLP's activation of its gate
+
+// The activations' names (kvlab/config/layers.py's DenseMLP.activation), by id: Python asks for them
+static const char* const ACT_NAMES[ACTIVATIONS] = {"silu", "gelu_pytorch_tanh"};
+
+const char* kvlab_decode_activation(int id) { return id >= 0 && id < ACTIVATIONS ? ACT_NAMES[id] : 0; }
+
+// A tensor-parallel rank's all-reduce after its row-parallel products (o, down), over the shared-memory
+// segment of allreduce.c: the same call, and the same call counter, as kvlab/parallel/shm.py's.
+typedef struct {
+    uint8_t* segment;
+    int32_t rank, world;
+    int64_t capacity;  // floats per rank's slot
+    int64_t* calls;    // the calls made so far, shared with Python's (each call's number is its sequence)
+    double timeout_s;
+} Reduce;
+
+// One decoder layer as the model's modules describe it (kernels/decode.py builds it from them; the
+// struct is written once, here, and Python checks its size against its own at load).
 typedef struct {
     int64_t hidden, heads, kv_heads, head_dim, intermediate;
     float eps;
-    const float *attn_norm, *mlp_norm;  // [hidden]
-    const float *q_norm, *k_norm;       // [head_dim], or NULL
+    float qk_scale;                             // scores = q · k · qk_scale (1/sqrt(D), or the model's)
+    int32_t activation;                         // ACT_*
+    int64_t window;                             // 0: every key; W: the query and the W − 1 keys before it
+    const float *attn_norm, *mlp_norm;          // [hidden]: before attention, before the MLP
+    const float *attn_out_norm, *mlp_out_norm;  // [hidden]: on their outputs (Gemma's sandwich), or NULL
+    const float *q_norm, *k_norm;               // [head_dim], or NULL
     Linear qkv, o, gate_up, down;
+    const Reduce* reduce;                       // a tensor-parallel rank: o's and down's sums over ranks; or NULL
 } Layer;
 
 // ---- the KV cache's storage formats (kvlab/kv/formats.py) --------------------------------------
@@ -85,11 +113,18 @@ typedef struct {
 //   KV_Q4_0  D / 2 bytes (per 32 values 16 bytes: byte j holds value j low, value j + 16 high); D / 32
 //            fp16 scales d = x_m / −8 (x_m the value of largest |x|);   x ≈ d · (q − 8)
 //   KV_FP8   D float8 e4m3 codes (as bytes); one float32 scale s = max|x| / 448;   x ≈ s · e4m3(q)
+//   KV_BF16  D bfloat16 values (rounded to nearest even, as PyTorch's .to(torch.bfloat16))
+//   KV_F16   D float16 values (rounded to nearest even)
 //
 // Codes and scales are separate tensors with the same leading dimensions: vector number `vec` has its
 // codes at codes + vec · (bytes of one vector's codes) and its scales at scales + vec · (scales each).
 
-enum { KV_F32 = 0, KV_Q8_0 = 1, KV_Q4_0 = 2, KV_FP8 = 3 };
+enum { KV_F32 = 0, KV_Q8_0 = 1, KV_Q4_0 = 2, KV_FP8 = 3, KV_BF16 = 4, KV_F16 = 5, KV_FORMATS = 6 };
+
+// The formats' names, by id: Python asks for them (kvlab_kv_format) instead of copying the numbers
+static const char* const KV_NAMES[KV_FORMATS] = {"float32", "q8_0", "q4_0", "fp8_e4m3", "bfloat16", "float16"};
+
+const char* kvlab_kv_format(int id) { return id >= 0 && id < KV_FORMATS ? KV_NAMES[id] : 0; }
 #define QK 32                // values per q8_0 / q4_0 block
 #define MAX_HEAD_DIM 512     // the row buffers of attention (decode.py checks head_dim)
 
@@ -155,12 +190,25 @@ static uint8_t fp8_e4m3_from_float(float f) {
     return code | (uint8_t)(sign >> 24);
 }
 
+// float → bfloat16, rounded to nearest even (c10's round_to_nearest_even); a NaN stays a quiet NaN
+static inline uint16_t bf16_from_float(float f) {
+    const uint32_t bits = as_bits(f);
+    if (f != f) return 0x7FC0;
+    return (uint16_t)((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+}
+
 SEPARATE_ROUNDINGS static void encode_vector(const KVStore* s, const float* x, int64_t vec, int64_t D) {
 #ifdef __clang__
 #pragma clang fp contract(off)
 #endif
     if (s->fmt == KV_F32) {
         memcpy((float*)s->codes + vec * D, x, D * sizeof(float));
+    } else if (s->fmt == KV_BF16) {
+        uint16_t* out = (uint16_t*)s->codes + vec * D;
+        for (int64_t i = 0; i < D; i++) out[i] = bf16_from_float(x[i]);
+    } else if (s->fmt == KV_F16) {
+        _Float16* out = (_Float16*)s->codes + vec * D;
+        for (int64_t i = 0; i < D; i++) out[i] = (_Float16)x[i];  // the hardware's conversion: nearest even
     } else if (s->fmt == KV_Q8_0) {
         int8_t* q = (int8_t*)s->codes + vec * D;
         _Float16* scales = (_Float16*)s->scales + vec * (D / QK);
@@ -232,6 +280,27 @@ static float fp8_value(uint8_t code) {  // e4m3fn: 4 exponent bits (bias 7), 3 m
 
 static inline const float* decode_vector(const KVStore* s, int64_t vec, int64_t D, float* buf) {
     if (s->fmt == KV_F32) return (const float*)s->codes + vec * D;
+    if (s->fmt == KV_BF16) {  // exact: a bfloat16 is a float32's top half
+        const uint16_t* h = (const uint16_t*)s->codes + vec * D;
+        int64_t i = 0;
+#if defined(__AVX2__)
+        for (; i + 8 <= D; i += 8) {
+            const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(h + i)));
+            store8(buf + i, (v8f)_mm256_slli_epi32(wide, 16));
+        }
+#endif
+        for (; i < D; i++) buf[i] = as_float((uint32_t)h[i] << 16);
+        return buf;
+    }
+    if (s->fmt == KV_F16) {  // exact
+        const _Float16* h = (const _Float16*)s->codes + vec * D;
+        int64_t i = 0;
+#if defined(__F16C__)
+        for (; i + 8 <= D; i += 8) store8(buf + i, (v8f)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(h + i))));
+#endif
+        for (; i < D; i++) buf[i] = (float)h[i];
+        return buf;
+    }
     if (s->fmt == KV_Q8_0) {
         const int8_t* q = (const int8_t*)s->codes + vec * D;
         const _Float16* scales = (const _Float16*)s->scales + vec * (D / QK);
@@ -285,7 +354,7 @@ static inline const float* decode_vector(const KVStore* s, int64_t vec, int64_t 
 #define PREFETCH_AHEAD 8  // tokens
 
 static inline int64_t code_bytes(int32_t fmt, int64_t D) {
-    return fmt == KV_F32 ? D * 4 : fmt == KV_Q4_0 ? D / 2 : D;
+    return fmt == KV_F32 ? D * 4 : fmt == KV_BF16 || fmt == KV_F16 ? D * 2 : fmt == KV_Q4_0 ? D / 2 : D;
 }
 
 static inline void prefetch_vector(const KVStore* s, int64_t vec, int64_t D) {
@@ -320,14 +389,14 @@ static void hadamard(float* x, int64_t D) {
 // contiguous; codes and scales as one layer's storage tensors of that many vectors
 
 int kvlab_kv_encode(int fmt, const float* x, int64_t vectors, int64_t D, void* codes, void* scales) {
-    if (fmt < KV_F32 || fmt > KV_FP8 || ((fmt == KV_Q8_0 || fmt == KV_Q4_0) && D % QK)) return -1;
+    if (fmt < 0 || fmt >= KV_FORMATS || ((fmt == KV_Q8_0 || fmt == KV_Q4_0) && D % QK)) return -1;
     const KVStore s = {fmt, codes, scales};
     for (int64_t v = 0; v < vectors; v++) encode_vector(&s, x + v * D, v, D);
     return 0;
 }
 
 int kvlab_kv_decode(int fmt, const void* codes, const void* scales, int64_t vectors, int64_t D, float* out) {
-    if (fmt < KV_F32 || fmt > KV_FP8 || ((fmt == KV_Q8_0 || fmt == KV_Q4_0) && D % QK) || D > MAX_HEAD_DIM) return -1;
+    if (fmt < 0 || fmt >= KV_FORMATS || ((fmt == KV_Q8_0 || fmt == KV_Q4_0) && D % QK) || D > MAX_HEAD_DIM) return -1;
     const KVStore s = {fmt, (void*)codes, (void*)scales};
     float buf[MAX_HEAD_DIM];
     for (int64_t v = 0; v < vectors; v++) memcpy(out + v * D, decode_vector(&s, v, D, buf), D * sizeof(float));
@@ -346,11 +415,22 @@ typedef struct {
     const int64_t* slots;                // [B]: where each new token's K/V goes
     const int64_t* block_tables;         // [B, table_stride]
     int64_t table_stride;
-    const int64_t* num_keys;             // [B]: keys each sequence sees, its new token included
+    const int64_t* num_keys;             // [B]: keys in each sequence's table, its new token included
+    const int64_t* first_key;            // [B]: the first of them the layer's window shows (0 without one)
     int64_t max_keys;
     float* scratch;                      // kvlab_decode_scratch_floats(...) floats
     int32_t rotate_k, rotate_v;          // keys / values stored Hadamard-rotated (KVFormats.rotate_k, _v)
 } Step;
+
+// The structs' sizes, for kernels/decode.py to check its own against at load
+void kvlab_decode_struct_sizes(int64_t* out) {
+    out[0] = sizeof(Part);
+    out[1] = sizeof(Linear);
+    out[2] = sizeof(Layer);
+    out[3] = sizeof(KVStore);
+    out[4] = sizeof(Step);
+    out[5] = sizeof(Reduce);
+}
 
 // Attention splits each sequence's keys into chunks of CHUNK_KEYS (a fixed size, so that no value
 // depends on the thread count): one work item per (sequence, chunk), every head at once. Each item
@@ -482,12 +562,13 @@ static void attend_items(void* ctx, uint32_t begin, uint32_t end) {
     const Step* S = a->step;
     const int64_t D = L->head_dim, H = L->heads, Hkv = L->kv_heads, group = H / Hkv;
     const int64_t qkv_row = (H + 2 * Hkv) * D, bs = S->block_size, stride = S->max_keys;
-    const float scale = 1.0f / sqrtf((float)D);
+    const float scale = L->qk_scale;
     float kbuf[MAX_HEAD_DIM], vbuf[MAX_HEAD_DIM], kbuf8[8 * MAX_HEAD_DIM];
     for (uint32_t item = begin; item < end; item++) {
-        const int64_t b = item / a->chunks, c = item % a->chunks, n = S->num_keys[b];
-        const int64_t lo = c * CHUNK_KEYS, hi = lo + CHUNK_KEYS < n ? lo + CHUNK_KEYS : n;
-        if (lo >= n) continue;  // past this sequence's keys (a shorter one of the batch)
+        const int64_t b = item / a->chunks, c = item % a->chunks, n = S->num_keys[b], first = S->first_key[b];
+        const int64_t start = c * CHUNK_KEYS, hi = start + CHUNK_KEYS < n ? start + CHUNK_KEYS : n;
+        if (start >= n || hi <= first) continue;  // past this sequence's keys, or before its window (merge skips it)
+        const int64_t lo = start > first ? start : first;  // a window may begin inside the chunk
         const int64_t* table = S->block_tables + b * S->table_stride;
         const float* q = a->qkv + b * qkv_row;       // H query heads, kv head g's group at g · group
         float* scores = a->scores + b * H * stride;  // row h: head h's scores
@@ -588,15 +669,15 @@ static void merge(const Attend* a) {
     const Step* S = a->step;
     const int64_t D = L->head_dim, H = L->heads;
     for (int64_t b = 0; b < S->batch; b++) {
-        const int64_t used = num_chunks(S->num_keys[b]);
+        const int64_t used = num_chunks(S->num_keys[b]), skipped = S->first_key[b] / CHUNK_KEYS;
         for (int64_t h = 0; h < H; h++) {
             const float* part = a->partial + b * a->chunks * H * (D + 2) + h * (D + 2);
             const int64_t step = H * (D + 2);  // from one chunk's partials to the next one's
             float top = -INFINITY, sum = 0.0f;
-            for (int64_t c = 0; c < used; c++) top = part[c * step] > top ? part[c * step] : top;
+            for (int64_t c = skipped; c < used; c++) top = part[c * step] > top ? part[c * step] : top;
             float* o = a->out + b * H * D + h * D;
             memset(o, 0, D * sizeof(float));
-            for (int64_t c = 0; c < used; c++) {
+            for (int64_t c = skipped; c < used; c++) {
                 const float* pc = part + c * step;
                 if (pc[0] - top < NEGLIGIBLE) continue;
                 const float w = pc[0] == top ? 1.0f : expf(pc[0] - top);
@@ -612,8 +693,29 @@ static void merge(const Attend* a) {
 
 // ---- the layer ----------------------------------------------------------------------------------
 
-// x [B, hidden] float32, updated in place: x + attention(x), then + MLP(that).
-void kvlab_decode_layer(const Layer* L, const Step* S, float* x, int threads) {
+// x += y [B, E], y normalised first where the layer normalises its outputs (Gemma's sandwich; in place)
+static void add_residual(float* x, float* y, const float* out_norm, int64_t B, int64_t E, float eps) {
+    if (out_norm) kvlab_rms_norm_f32(y, out_norm, y, B, E, eps);
+    for (int64_t i = 0; i < B * E; i++) x[i] += y[i];
+}
+
+// GELU with tanh's approximation (PyTorch's approximate="tanh", transformers' gelu_pytorch_tanh)
+static inline float gelu_tanh(float x) {
+    const float k = 0.7978845608028654f;  // sqrt(2 / pi)
+    return 0.5f * x * (1.0f + tanhf(k * (x + 0.044715f * x * x * x)));
+}
+
+// y [n] summed over the ranks in place (a row-parallel product's partial sums); 0, or -1 when a rank did
+// not arrive within the timeout
+static int reduce(const Reduce* r, float* y, int64_t n) {
+    if (!r) return 0;
+    *r->calls += 1;
+    return kvlab_shm_allreduce(r->segment, r->rank, r->world, r->capacity, y, n, *r->calls, r->timeout_s);
+}
+
+// x [B, hidden] float32, updated in place: x + attention(x), then + MLP(that). Returns 0, or -1 when
+// another tensor-parallel rank did not reach an all-reduce (x is then not to be used).
+int kvlab_decode_layer(const Layer* L, const Step* S, float* x, int threads) {
     const int64_t B = S->batch, E = L->hidden, D = L->head_dim, H = L->heads, Hkv = L->kv_heads;
     const int64_t I = L->intermediate, qkv_row = (H + 2 * Hkv) * D;
     float* qkv = S->scratch;
@@ -651,15 +753,21 @@ void kvlab_decode_layer(const Layer* L, const Step* S, float* x, int threads) {
     kvlab_pool_run(attend_items, &a, (uint32_t)(B * chunks), 1, threads);
     merge(&a);
     linear(&L->o, attn, normed, B, E, threads);
-    for (int64_t i = 0; i < B * E; i++) x[i] += normed[i];
+    if (reduce(L->reduce, normed, B * E)) return -1;
+    add_residual(x, normed, L->attn_out_norm, B, E, L->eps);
 
     kvlab_rms_norm_f32(x, L->mlp_norm, normed, B, E, L->eps);
     linear(&L->gate_up, normed, gate_up, B, 2 * I, threads);
     for (int64_t b = 0; b < B; b++) {
         const float *g = gate_up + b * 2 * I, *u = g + I;
         float* out = act + b * I;
-        for (int64_t i = 0; i < I; i++) out[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+        if (L->activation == ACT_GELU_TANH)
+            for (int64_t i = 0; i < I; i++) out[i] = gelu_tanh(g[i]) * u[i];
+        else
+            for (int64_t i = 0; i < I; i++) out[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
     }
     linear(&L->down, act, normed, B, E, threads);
-    for (int64_t i = 0; i < B * E; i++) x[i] += normed[i];
+    if (reduce(L->reduce, normed, B * E)) return -1;
+    add_residual(x, normed, L->mlp_out_norm, B, E, L->eps);
+    return 0;
 }

@@ -6,7 +6,9 @@ when only one row comes in; `gemv.c` reads each matrix once, in order, on all th
 compiled at first use with the machine's C compiler (`-march=native`, with the thread pool of
 `pool.c`) into $KVLAB_HOME/kernels and loaded with ctypes. Whether a call uses it, and on how many
 threads, is the caller's thread policy (`kernels.policy`). Without a compiler, on CUDA, or with
-KVLAB_KERNELS=0, every call goes to `torch.nn.functional.linear`.
+KVLAB_KERNELS=0, every call goes to `torch.nn.functional.linear`. A build that fails is never silent:
+`build_error()` says why (and the decode backend names it as the reason it is off), one warning line
+goes to stderr, and with KVLAB_KERNELS=require (`make test`, CI) the failure is an error.
 
 The pool serves one call at a time; a call from another thread meanwhile computes on its own
 thread, with the same result (no output value depends on the number of threads).
@@ -42,7 +44,7 @@ _pool: dict[str, object] = {}  # the thread pool's hooks for tests and benchmark
 _quant: dict[str, object] = {}  # the block-format kernels of quant.c, for kernels/quant.py
 _decode: dict[str, object] = {}  # decode.c's fused decoder layer, for kernels/decode.py
 _comm: dict[str, object] = {}  # allreduce.c's shared-memory all-reduce, for kvlab/parallel/shm.py
-_state = {"loaded": False}
+_state: dict[str, object] = {"loaded": False, "error": None}
 _load_lock = threading.Lock()  # a second thread waits for the first one's build instead of using BLAS
 
 
@@ -77,8 +79,29 @@ def _ensure_loaded() -> None:
                 _state["loaded"] = True
 
 
+class KernelBuildError(RuntimeError):
+    """The C kernels could not be built or loaded while KVLAB_KERNELS=require asks for them."""
+
+
+def build_error() -> str | None:
+    """Why the kernels are not here (None: they are)."""
+    _ensure_loaded()
+    return _state["error"]
+
+
+def _failed(why: str) -> None:
+    """A build or load failure: an error under KVLAB_KERNELS=require, else one warning line and PyTorch."""
+    import sys
+
+    _state["error"] = why
+    if os.environ.get("KVLAB_KERNELS") == "require":
+        raise KernelBuildError(f"the C kernels could not be built ({why}); KVLAB_KERNELS=require makes that an error")
+    print(f"kvlab: warning: the C kernels could not be built ({why}); every product runs on PyTorch, slower",
+          file=sys.stderr)  # fmt: skip
+
+
 def _load() -> None:
-    """Compile (once per machine and source version) and load the kernels; silently stay empty on failure."""
+    """Compile (once per machine and source version) and load the kernels; say why when that fails."""
     from kvlab.hub import kvlab_home
 
     key = hashlib.sha256(b"".join(path.read_bytes() for path in _SOURCES + _HEADERS))
@@ -88,8 +111,11 @@ def _load() -> None:
         if not target.exists():
             _build(target)
         lib = ctypes.CDLL(str(target))
-    except (OSError, subprocess.CalledProcessError):
-        return  # no compiler or an odd platform: BLAS serves every call
+    except subprocess.CalledProcessError as e:
+        lines = (e.stderr or b"").decode(errors="replace").strip().splitlines()
+        return _failed(f"{Path(e.cmd[0]).name} exited with {e.returncode}" + (f": {lines[0]}" if lines else ""))
+    except OSError as e:  # no compiler, or a library that does not load on this platform
+        return _failed(str(e))
     int64, pointer = ctypes.c_int64, ctypes.c_void_p
     for dtype, name in _NAMES.items():
         _kernels[dtype] = _bind(lib, name, [pointer] * 4 + [int64] * 3 + [ctypes.c_int])
@@ -102,11 +128,14 @@ def _load() -> None:
     _quant["format"] = _bind(lib, "kvlab_quant_format", [ctypes.c_int, int_p, int_p], ctypes.c_char_p)
     _quant["matmul"] = _bind(lib, "kvlab_quant_matmul", [ctypes.c_int] + [pointer, int64] + [pointer] * 2 + [int64] * 4 + [ctypes.c_int], ctypes.c_int)
     _quant["dequantize"] = _bind(lib, "kvlab_quant_dequantize", [ctypes.c_int, pointer, int64, pointer] + [int64] * 3 + [ctypes.c_int], ctypes.c_int)
-    _decode["layer"] = _bind(lib, "kvlab_decode_layer", [pointer] * 3 + [ctypes.c_int])
+    _decode["layer"] = _bind(lib, "kvlab_decode_layer", [pointer] * 3 + [ctypes.c_int], ctypes.c_int)
     _decode["scratch_floats"] = _bind(lib, "kvlab_decode_scratch_floats", [int64] * 7, int64)
     _decode["kv_encode"] = _bind(lib, "kvlab_kv_encode", [ctypes.c_int, pointer, int64, int64, pointer, pointer], ctypes.c_int)
     _decode["kv_decode"] = _bind(lib, "kvlab_kv_decode", [ctypes.c_int, pointer, pointer, int64, int64, pointer], ctypes.c_int)
     _decode["hadamard"] = _bind(lib, "kvlab_hadamard_f32", [pointer, int64, int64])
+    _decode["kv_format"] = _bind(lib, "kvlab_kv_format", [ctypes.c_int], ctypes.c_char_p)
+    _decode["activation"] = _bind(lib, "kvlab_decode_activation", [ctypes.c_int], ctypes.c_char_p)
+    _decode["struct_sizes"] = _bind(lib, "kvlab_decode_struct_sizes", [pointer])
     _comm["allreduce"] = _bind(lib, "kvlab_shm_allreduce", [pointer, ctypes.c_int, ctypes.c_int, int64, pointer,
                                                             int64, int64, ctypes.c_double], ctypes.c_int)  # fmt: skip
 

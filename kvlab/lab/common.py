@@ -323,16 +323,38 @@ def time_prefill(lab: Lab, length: int, loaded: LoadedModel | None = None) -> Ti
 
 
 def time_decode(lab: Lab, context: int, steps: int, loaded: LoadedModel | None = None):
-    """`steps` greedy decode steps after a `context`-token prompt (prefilled once, untimed).
+    """`steps` greedy decode steps after a `context`-token prompt (prefilled, untimed), on the path
+    `kvlab run` decodes on: the serving engine's steps over its paged cache, so the decode backend where
+    the model takes it (kvlab/backends), else the modules.
 
-    Returns (Timing of the `steps` steps together, the generated ids of the last run).
+    Returns (Timing of the `steps` steps together, the generated ids of the last run: first token + steps).
     """
+    from kvlab.config import EngineConfig
+    from kvlab.engine import LLMEngine
+    from kvlab.kernels import ThreadPolicy
+    from kvlab.kv.paged import PagedKVCache
+    from kvlab.sampling import SamplingParams
+
     loaded = loaded or lab.loaded
-    cache = lab.new_cache(context + steps, loaded=loaded)
-    first = forward(loaded.model, cache, lab.prompt(context)).argmax(-1, keepdim=True)  # [1, 1]
-    out: list[torch.Tensor] = []
-    timing = lab.measure(
-        lambda: out.append(greedy(loaded.model, cache, first, steps)),
-        setup=lambda: cache.truncate(context),
-    )
-    return timing, [int(first)] + out[-1][0].tolist()
+    length = context + steps + 1
+    per_token = PagedKVCache.bytes_per_token_for(loaded.config, loaded.model.dtype)
+    config = EngineConfig(max_model_len=max(length + 16, 32), kv_memory_bytes=per_token * (length + 64),
+                          enable_prefix_caching=False, max_num_batched_tokens=max(context, 512))  # fmt: skip
+    engine = LLMEngine(loaded, None, config, policy=ThreadPolicy(threads=torch.get_num_threads()))
+    prompt = lab.prompt(context)[0].tolist()
+    params = SamplingParams(max_tokens=steps + 1, temperature=0, ignore_eos=True)
+    out: list[list[int]] = []
+
+    def prefill() -> None:  # untimed: the prompt, and its first token
+        engine.add_request(prompt, params)
+        while not any(o.output.token_ids for o in engine.step()):
+            pass
+
+    def decode() -> None:
+        while engine.has_unfinished_requests:
+            for o in engine.step():
+                if o.finished:
+                    out.append(list(o.output.token_ids))
+
+    timing = lab.measure(decode, setup=prefill)
+    return timing, out[-1]

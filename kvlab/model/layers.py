@@ -58,6 +58,9 @@ class OffsetRMSNorm(RMSNorm):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.offset == 0.0 and x.dtype == torch.float32:  # x̂ · w in float32: Llama's arithmetic exactly
             return super().forward(x)
+        if small_ops_apply(x, x.numel() // x.shape[-1]) and self.weight.dtype == torch.float32:
+            # decode: one C call with the weights offset + w (rounded once, as below), the decode backend's bits
+            return rms_norm(x, self.offset + self.weight, self.eps)
         xf = x.float()
         normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return (normed * (self.offset + self.weight.float())).to(x.dtype)

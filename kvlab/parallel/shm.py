@@ -20,7 +20,7 @@ LINE = 64
 class SharedMemoryAllReduce:
     def __init__(self, rank: int, world: int, segment: shared_memory.SharedMemory, owner: bool, lib):
         self.rank, self.world, self.segment, self.owner, self.lib = rank, world, segment, owner, lib
-        self.calls = 0
+        self._calls = ctypes.c_int64(0)  # shared with the decode backend's C all-reduces (kernels/decode.c)
         self._view = ctypes.c_char.from_buffer(segment.buf)  # an export of the mapping: dropped before close
         self.address = ctypes.addressof(self._view)
 
@@ -53,12 +53,21 @@ class SharedMemoryAllReduce:
     def all_reduce(self, tensor: torch.Tensor, timeout_s: float) -> bool:
         """Sum `tensor` over the ranks in place; False when a rank did not arrive within `timeout_s`."""
         data = tensor if tensor.is_contiguous() else tensor.contiguous()
-        self.calls += 1
+        self._calls.value += 1
         status = self.lib(self.address, self.rank, self.world, CAPACITY_FLOATS, data.data_ptr(), data.numel(),
-                          self.calls, timeout_s)  # fmt: skip
+                          self._calls.value, timeout_s)  # fmt: skip
         if data is not tensor:
             tensor.copy_(data)
         return status == 0
+
+    @property
+    def calls(self) -> int:
+        """All-reduces made so far (each call's number is its sequence in the segment)."""
+        return self._calls.value
+
+    def calls_address(self) -> int:
+        """Where the counter lives, for C callers that make the same calls (the decode backend)."""
+        return ctypes.addressof(self._calls)
 
     def close(self) -> None:
         del self._view

@@ -5,8 +5,8 @@
 
 Every caller of the model (the serving engine's runner, the reference engine, the lab, the tests)
 goes through it, so the thread policy (its engine's own: kvlab.kernels.policy), inference mode and
-the plan → forward → commit order live in one place. A paged decode step on a CPU runs each decoder
-layer as one C call (kernels/decode.py) instead of the layer's modules, where the model fits it.
+the plan → forward → commit order live in one place. A paged decode step runs on the model's decode
+backend (kvlab/backends: on a CPU each decoder layer one C call) where there is one, else the modules.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ class ModelDriver:
     def __init__(self, model, policy: ThreadPolicy | None = None):
         self.model = model
         self.policy = policy or ThreadPolicy()
-        self._fused = None  # the fused decode step (kernels/decode.py), made at the first decode pass
+        self._decode_path = None  # the decode backend (kvlab/backends), chosen at the first decode pass
 
     @property
     def device(self) -> torch.device:
@@ -59,16 +59,26 @@ class ModelDriver:
         return logits
 
     def _fused_step(self, input_ids, cache, meta, logits_index):
-        """The fused decode step if this pass is one it runs (a paged decode step on a CPU), else None."""
-        if not self.policy.fused_decode or logits_index is None or self.device.type != "cpu":
+        """The decode backend if this pass is one it runs (a paged decode step), else None."""
+        if not self.policy.fused_decode or logits_index is None:
             return None
-        if not self.policy.kernel_sized(input_ids.numel()):
-            return None
-        if self._fused is None:
-            from kvlab.kernels.decode import FusedDecode
+        backend = self.decode_path().backend
+        return backend if backend is not None and backend.applies(input_ids, cache, meta, self.policy) else None
 
-            self._fused = FusedDecode.for_model(self.model) or False
-        return self._fused if self._fused and self._fused.applies(input_ids, cache, meta, self.policy) else None
+    def decode_path(self, cache=None):
+        """The decode backend chosen for this model (kvlab/backends), once; with `cache`, whether that
+        cache takes it too (the reason where it does not)."""
+        if self._decode_path is None:
+            from kvlab.backends import choose_decode_path
+
+            self._decode_path = choose_decode_path(self.model)
+        path = self._decode_path
+        if cache is not None and path.backend is not None:
+            from kvlab.backends import DecodePath
+
+            reason = path.backend.cache_reason(cache)
+            return DecodePath(None, reason) if reason else path
+        return path
 
     def append(self, ids: list[int], cache: SingleBatchKVCache) -> torch.Tensor:
         """Append `ids` to the single sequence in `cache`: logits [V] of the last one."""

@@ -1,0 +1,318 @@
+"""The CPU decode backend: each decoder layer of a paged decode step in one C call (kernels/decode.c).
+
+    backend = CpuDecodeBackend.build(model)      # or a str: why this model cannot take it
+    backend.cache_reason(cache)                  # None, or why this cache cannot
+    if backend.applies(input_ids, cache, meta, policy):
+        logits = backend.run(input_ids, cache, meta, logits_index, policy)
+
+A decode step of a small model is a few hundred small operations; from Python each costs microseconds
+of dispatch, more than the 4-bit products take. The backend reads the model's modules once and
+describes every layer to decode.c (`LayerDesc`): Llama's and Qwen's two norms or Gemma's four (its
+x̂ · (1 + w) as the weights 1 + w), q/k norms, the fused q/k/v product with its bias, the layer's own
+rotary table (Gemma 3's sliding layers), its sliding window and q·k scale, the SwiGLU or GeGLU MLP,
+each product a float matrix or the GGUF file's own blocks. Around the layers it does what the model's
+forward does: the embedding (scaled, Gemma), the final norm, the LM head and its soft-cap.
+
+It takes decode-sized passes (every token a sequence's next one; at most the thread policy's kernel
+rows) on a paged cache whose keys and values are each float32, bfloat16, float16, q8_0, q4_0 or
+fp8_e4m3 (K and V apart, Hadamard-rotated or not): the C side writes the new K/V in the cache's format,
+the bytes `formats.encode` writes, and attends over the stored codes, each row decoded as it is read.
+A model with sliding-window layers has one block table per KV group of layers (kv/layout.py): each
+layer reads its group's tables and slots, from the first key its window shows.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+
+import torch
+
+from kvlab.kernels import gemv
+from kvlab.kernels.decode import (
+    BLOCKS,
+    FLOAT_KINDS,
+    MAX_HEAD_DIM,
+    MAX_PARTS,
+    KVStore,
+    LayerDesc,
+    LinearDesc,
+    Part,
+    ReduceDesc,
+    StepDesc,
+    activation_ids,
+    kv_format_ids,
+    library,
+    struct_mismatch,
+)
+from kvlab.kernels.policy import ThreadPolicy
+from kvlab.kv.formats import unrotated
+from kvlab.kv.layout import window_start
+
+
+class CpuDecodeBackend:
+    """The C description of every decoder layer of one model, and the step that runs them."""
+
+    name = "cpu-c"
+
+    def __init__(self, model, layers: list[LayerDesc], keep: list[torch.Tensor], lib):
+        self.model, self.layers, self.lib = model, layers, lib
+        self._keep = keep  # tensors the descriptions point at that the model does not hold (1 + w)
+        self._checked: dict[int, str | None] = {}  # id(cache) → cache_reason, asked once per cache
+        attns = [layer.attn for layer in model.layers]
+        c = model.config
+        self.geometry = (c.hidden_size, max(a.num_heads for a in attns), max(a.num_kv_heads for a in attns),
+                         max(a.head_dim for a in attns), max(layer.mlp.intermediate_size for layer in model.layers))  # fmt: skip
+
+    @classmethod
+    def build(cls, model) -> CpuDecodeBackend | str:
+        """The backend for `model`, or why it cannot run it (one phrase)."""
+        lib = library()
+        if lib is None:
+            return f"the C kernels are not built: {gemv.build_error() or 'unknown'}"
+        mismatch = struct_mismatch(lib)
+        if mismatch:
+            return f"decode.c and decode.py disagree: {mismatch}"
+        if model.device.type != "cpu":
+            return f"the model is on {model.device.type}"
+        if model.dtype != torch.float32:
+            return f"activations in {str(model.dtype).removeprefix('torch.')} (the C step computes in float32)"
+        layers, keep = [], []
+        for i, layer in enumerate(model.layers):
+            desc = _describe(model, layer, keep, lib)
+            if isinstance(desc, str):
+                return f"layer {i}: {desc}"
+            layers.append(desc)
+        return cls(model, layers, keep, lib)
+
+    def cache_reason(self, cache) -> str | None:
+        """Why this cache cannot be read by the C step (None: it can)."""
+        from kvlab.kv.paged import PagedKVCache
+
+        key = id(cache)
+        if key not in self._checked:
+            self._checked[key] = _cache_reason(cache) if isinstance(cache, PagedKVCache) else "not a paged cache"
+        return self._checked[key]
+
+    def applies(self, input_ids: torch.Tensor, cache, meta, policy: ThreadPolicy) -> bool:
+        """Whether this pass is a decode step it runs: B sequences, one token each, in every KV group."""
+        from kvlab.kv.paged import PagedMetadata
+        from kvlab.model.attention import sdpa_attention
+
+        tokens = input_ids.shape[1]
+        if not isinstance(meta, PagedMetadata) or not policy.kernel_sized(tokens) or self.cache_reason(cache):
+            return False
+        if any(layer.attn.attend is not sdpa_attention for layer in self.model.layers):  # set_attention since
+            return False
+        for view in meta.kv_groups:
+            if len(view.groups) != 1:
+                return False
+            group = view.groups[0]
+            if not (group.batch_size == tokens and group.lo == 0 and group.hi == tokens):
+                return False
+        return True
+
+    def run(self, input_ids: torch.Tensor, cache, meta, logits_index: torch.Tensor, policy: ThreadPolicy):
+        """Logits [1, S, V] of the rows at `logits_index`, as the model's own forward would give them."""
+        model = self.model
+        x = model.embed_tokens(input_ids)[0]  # [B, E]
+        if model.embed_scale is not None:  # in the activations' dtype, as the model rounds it
+            x = x * torch.tensor(model.embed_scale, dtype=x.dtype)
+        x = x.float().contiguous()
+        positions = meta.positions[0]  # [B]
+        B = x.shape[0]
+        groups = [_GroupView(cache, g, view, positions) for g, view in enumerate(meta.kv_groups)]
+        max_keys = max(v.max_keys for v in groups)
+        scratch = torch.empty(self.lib["scratch_floats"](B, *self.geometry, max_keys))
+        ids = kv_format_ids()
+        k_fmt, v_fmt = ids[unrotated(cache.formats.k).name], ids[unrotated(cache.formats.v).name]
+        step = StepDesc(B, None, None, KVStore(), KVStore(), cache.block_size, None, None, 0, None, None, max_keys,
+                        scratch.data_ptr(), int(cache.formats.rotate_k), int(cache.formats.rotate_v))  # fmt: skip
+        angles = {}  # one cos/sin lookup per rotary table: [B, D] each
+        run_layer = self.lib["layer"]
+        for i, (desc, layer) in enumerate(zip(self.layers, model.layers)):
+            rope = layer.attn.rope
+            if rope not in angles:
+                table = model._rotary_of(rope)
+                angles[rope] = (table.cos[positions].contiguous(), table.sin[positions].contiguous())
+            cos, sin = angles[rope]
+            view = groups[cache.placement[i][0]]
+            step.cos, step.signed_sin = cos.data_ptr(), sin.data_ptr()
+            step.slots, step.block_tables, step.table_stride = view.slots, view.tables_ptr, view.stride
+            step.num_keys, step.first_key = view.num_keys_ptr, view.first_key(layer.attn.window)
+            step.k, step.v = _store(k_fmt, cache.k_parts[i]), _store(v_fmt, cache.v_parts[i])
+            if run_layer(ctypes.byref(desc), ctypes.byref(step), x.data_ptr(), policy.threads):
+                self._rank_failed(i)
+        x = x[logits_index]  # [S, E]
+        logits = model.lm_head(model.norm(x[None])).float()  # [1, S, V]
+        if model.logit_softcap is not None:
+            logits = torch.tanh(logits / model.logit_softcap) * model.logit_softcap
+        return logits
+
+
+    def _rank_failed(self, layer: int):
+        from kvlab.parallel.group import RankFailed
+
+        group = self.layers[layer]._group
+        raise RankFailed(f"rank {group.rank}: all-reduce failed (layer {layer} of the C decode step): another rank "
+                         f"of the tensor-parallel job died or stopped answering within {group.timeout_s:g} s; the job ends")
+
+
+class _GroupView:
+    """One KV group's share of a decode step as decode.c reads it: slots, block tables (from the first
+    block its window reaches), the keys each sequence's table holds, and where each window starts."""
+
+    def __init__(self, cache, g: int, view, positions: torch.Tensor):
+        group = view.groups[0]
+        bs, window = cache.block_size, cache.layout.groups[g].window
+        self.positions = positions
+        first_block = torch.tensor([window_start(window, p) // bs for p in positions.tolist()])  # [B]
+        self.table_start = first_block * bs  # [B]: the position of each table's first key
+        self.num_keys = (positions + 1 - self.table_start).contiguous()  # [B]
+        self.tables = group.block_tables.contiguous()
+        self.slot_mapping = view.slot_mapping
+        self.slots, self.tables_ptr = self.slot_mapping.data_ptr(), self.tables.data_ptr()
+        self.stride, self.num_keys_ptr = self.tables.shape[1], self.num_keys.data_ptr()
+        self.max_keys = int(group.num_keys)
+        self._first: dict[int | None, torch.Tensor] = {}
+
+    def first_key(self, window: int | None) -> int:
+        """A pointer to [B]: each sequence's first key (in its table) that a layer with `window` sees."""
+        if window not in self._first:
+            if window is None:
+                first = torch.zeros_like(self.num_keys)
+            else:
+                first = (self.positions - window + 1 - self.table_start).clamp(min=0).contiguous()
+            self._first[window] = first
+        return self._first[window].data_ptr()
+
+
+def _store(fmt: int, parts: list[torch.Tensor]) -> KVStore:
+    """A layer's storage tensors (codes, then scales where the format has them) as decode.c reads them."""
+    return KVStore(fmt, parts[0].data_ptr(), parts[1].data_ptr() if len(parts) > 1 else None)
+
+
+def _cache_reason(cache) -> str | None:
+    ids, D = kv_format_ids(), cache.head_dim
+    if cache.dtype != torch.float32:
+        return f"the KV cache is read as {str(cache.dtype).removeprefix('torch.')} (the C step reads float32)"
+    if D > MAX_HEAD_DIM or D % 8:
+        return f"head_dim {D} (the C step takes multiples of 8 up to {MAX_HEAD_DIM})"
+    for side, fmt in (("keys", cache.formats.k), ("values", cache.formats.v)):
+        if unrotated(fmt).name not in ids:
+            return f"{side} stored as {fmt.name}, a format decode.c does not read"
+    if not all(t.is_contiguous() and t.device.type == "cpu" for t in cache.tensors()):
+        return "the KV cache's tensors are not contiguous CPU tensors"
+    return None
+
+
+# ---- the description of a layer, read from its modules --------------------------------------------
+
+
+def _describe(model, layer, keep: list, lib) -> LayerDesc | str:
+    """decode.c's description of one decoder layer, or why it cannot take it."""
+    from kvlab.model.attention import sdpa_attention
+    from kvlab.model.layers import GatedMLP
+    from kvlab.model.transformer import DecoderLayer, SandwichDecoderLayer
+
+    attn, mlp, eps = layer.attn, layer.mlp, model.config.rms_norm_eps
+    if attn.attend is not sdpa_attention:
+        return "the lab's materialized attention"
+    activations = activation_ids()
+    if not isinstance(mlp, GatedMLP) or mlp.activation not in activations:
+        return f"its MLP is {type(mlp).__name__} (the C step runs {', '.join(activations)} gated MLPs)"
+    if type(layer) is DecoderLayer:
+        norms = [layer.input_norm, layer.post_attn_norm, None, None]  # before attention, before the MLP
+    elif type(layer) is SandwichDecoderLayer:  # Gemma: each one's output normalised too
+        norms = [layer.input_norm, layer.pre_mlp_norm, layer.post_attn_norm, layer.post_mlp_norm]
+    else:
+        return f"a {type(layer).__name__}, not a layer decode.c computes"
+    norms += [attn.q_norm, attn.k_norm]
+    weights = [_norm_weight(n, eps, keep) if n is not None else None for n in norms]
+    if any(isinstance(w, str) for w in weights):
+        return next(w for w in weights if isinstance(w, str))
+    reduce = _row_parallel(attn.o_proj, mlp.down_proj, model.config.hidden_size, keep)
+    if isinstance(reduce, str):
+        return reduce
+    products = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+    parts = [_linear(getattr(m, "inner", m) if reduce else m) for m in products]  # a shard's own matrices
+    if any(isinstance(p, str) for p in parts):
+        return next(p for p in parts if isinstance(p, str))
+    attn_norm, mlp_norm, attn_out, mlp_out, q_norm, k_norm = weights
+    scale = attn.scale if attn.scale is not None else 1.0 / math.sqrt(attn.head_dim)  # SDPA's default
+    desc = LayerDesc(model.config.hidden_size, attn.num_heads, attn.num_kv_heads, attn.head_dim,
+                     mlp.intermediate_size, eps, scale, activations[mlp.activation], attn.window or 0,
+                     attn_norm, mlp_norm, attn_out, mlp_out, q_norm, k_norm, *parts)  # fmt: skip
+    if reduce:
+        desc.reduce = ctypes.pointer(reduce[0])
+        desc._group = reduce[1]  # for the error a lost rank gives
+    return desc
+
+
+def _row_parallel(o_proj, down_proj, hidden: int, keep: list):
+    """A tensor-parallel shard's all-reduce as decode.c makes it (the group's shared-memory segment and
+    call counter) with its group; None for a whole model; or why the C step cannot sum over the ranks."""
+    from kvlab.parallel.layers import RowParallel
+    from kvlab.parallel.shm import CAPACITY_FLOATS
+
+    wrapped = [isinstance(m, RowParallel) for m in (o_proj, down_proj)]
+    if not any(wrapped):
+        return None
+    group = o_proj.group if wrapped[0] else down_proj.group
+    if not all(wrapped) or down_proj.group is not group:
+        return "a partly row-parallel layer"
+    shm = group.shm
+    if shm is None:
+        return "its all-reduce runs over gloo (ranks on several hosts, or KVLAB_SHM_ALLREDUCE=0)"
+    reduce = ReduceDesc(shm.address, shm.rank, shm.world, CAPACITY_FLOATS, shm.calls_address(), group.timeout_s)
+    keep.append(reduce)
+    return reduce, group
+
+
+def _norm_weight(norm, eps: float, keep: list[torch.Tensor]) -> int | str:
+    """The address of the float32 weights decode.c multiplies x̂ by: w, or Gemma's offset + w."""
+    from kvlab.model.layers import OffsetRMSNorm, RMSNorm
+
+    if type(norm) not in (RMSNorm, OffsetRMSNorm):
+        return f"a {type(norm).__name__}, not an RMSNorm"
+    if norm.eps != eps:
+        return f"a norm with eps {norm.eps}, not the layer's {eps}"
+    w = norm.weight
+    if w.dtype != torch.float32 or w.device.type != "cpu":
+        return "norm weights not float32 on the CPU"
+    if type(norm) is OffsetRMSNorm and norm.offset != 0.0:
+        w = norm.offset + w.float()  # the module's (offset + w), rounded once to float32 as it rounds it
+        keep.append(w)
+    return w.contiguous().data_ptr() if w.is_contiguous() else "norm weights not contiguous"
+
+
+def _linear(module) -> LinearDesc | str:
+    """A linear layer as the C kernels see it, or why one of its matrices is not theirs."""
+    from kvlab.kernels import quant
+    from kvlab.model.layers import Linear
+    from kvlab.quant.linear import PackedLinear
+
+    if not isinstance(module, (Linear, PackedLinear)):  # another implementation of the linear seam
+        return f"a {type(module).__name__} product (the C step multiplies float matrices and GGUF blocks)"
+    desc = LinearDesc(in_features=module.in_features, out_features=module.out_features)
+    bias = module.bias
+    if bias is not None:
+        if not (bias.dtype == torch.float32 and bias.is_contiguous() and bias.device.type == "cpu"):
+            return "a bias not float32"
+        desc.bias = bias.data_ptr()
+    if isinstance(module, Linear):
+        w = module.weight
+        if w.dtype not in FLOAT_KINDS or not w.is_contiguous() or w.device.type != "cpu":
+            return f"a {str(w.dtype).removeprefix('torch.')} weight matrix the C products do not read"
+        desc.num_parts = 1
+        desc.parts[0] = Part(FLOAT_KINDS[w.dtype], 0, w.data_ptr(), module.in_features * w.element_size(), w.shape[0])
+        return desc
+    ids = quant._format_ids()
+    packed = module.packed()
+    unknown = [p.fmt for p in packed if p.fmt not in ids]
+    if unknown or len(packed) > MAX_PARTS or not all(p.data.is_contiguous() for p in packed):
+        return f"weights in {', '.join(unknown) or 'parts'} the C products do not read"
+    desc.num_parts = len(packed)
+    for i, p in enumerate(packed):
+        desc.parts[i] = Part(BLOCKS, ids[p.fmt], p.data.data_ptr(), p.data.shape[1], p.shape[0])
+    return desc
