@@ -205,3 +205,59 @@ def test_bad_inputs_are_one_line_and_exit_2(mem, tmp_path):
         lines = err.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("kvlab: error: "), (args, err)
         assert word.lower() in lines[0].lower(), (args, lines[0])
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory):
+    """A tiny random llama as a Q8_0 GGUF file (float32 vectors), as llama.cpp's converter writes one."""
+    pytest.importorskip("gguf")
+    pytest.importorskip("transformers")
+    from tiny import add_tiny_tokenizer, build_tiny, build_tiny_gguf
+
+    directory = tmp_path_factory.mktemp("tiny-gguf")
+    build_tiny("llama", directory, head_dim=32)  # q8_0 KV needs whole blocks of 32
+    add_tiny_tokenizer(directory)
+    return build_tiny_gguf(directory, directory / "tiny-q8_0.gguf", quant="Q8_0")
+
+
+def test_a_gguf_model_is_sized_in_the_kv_format_kvlab_run_keeps(mem, tiny_gguf):
+    """A GGUF file's "auto" is llama.cpp's f16 in the library, but `kvlab mem FILE` sizes what kvlab's engine
+    holds for it: float32 on a CPU (issue 31). The engine is built here as `kvlab run` builds it."""
+    from kvlab import LLM
+
+    code, out, err = mem(tiny_gguf, "--context", "100", "--json")
+    data = json.loads(out)
+    llm = LLM(tiny_gguf, dtype="auto", max_model_len=128, kv_memory_bytes=1 << 20)  # --dtype auto, --device cpu
+    try:
+        formats = llm.engine.cache.formats
+        assert data["kv_dtype"] == formats.k.name == formats.v.name == "float32"
+        per_token = llm.engine.cache.bytes_per_token()
+        assert data["kv_bytes_per_token"] == per_token == 3 * 2 * 2 * 32 * 4  # 3 layers, K and V, 2 heads of 32
+        assert data["kv_bytes"] == 100 * per_token
+    finally:
+        llm.close()
+    assert code == 0 and err == ""
+    assert data["notes"][0].startswith("KV sized in float32: what `kvlab run` keeps for this model on cpu")
+    assert not any("f16" in note for note in data["notes"])
+    code, out, _ = mem(tiny_gguf, "--context", "100")
+    assert code == 0 and "note: KV sized in float32" in out and "f16" not in out
+
+
+def test_an_explicit_kv_format_is_sized_as_asked_and_auto_sides_follow_the_engine(mem, tiny_gguf):
+    _, out, _ = mem(tiny_gguf, "--context", "100", "--kv-dtype", "float16", "--json")
+    half = json.loads(out)
+    assert half["kv_dtype"] == "float16" and half["kv_bytes_per_token"] == 3 * 2 * 2 * 32 * 2
+    assert not any(note.startswith("KV sized in") for note in half["notes"])  # the user chose: nothing to explain
+    _, out, _ = mem(tiny_gguf, "--context", "100", "--cache-type-k", "q8_0", "--json")
+    mixed = json.loads(out)  # keys as asked, values in the engine's own float32
+    assert mixed["kv_dtype"] == "q8_0:float32"
+    assert mixed["kv_bytes_per_token"] == 3 * 2 * (34 + 32 * 4)
+    assert mixed["notes"][0].startswith("KV sized in q8_0:float32")
+
+
+def test_a_bare_config_keeps_its_own_dtype(mem):
+    """No weights, nothing `kvlab run` could load: "auto" is the config's dtype, as before."""
+    _, out, _ = mem("qwen3-0.6b", "--context", "512", "--json")
+    data = json.loads(out)
+    assert data["kv_dtype"] == "bfloat16" and data["kv_bytes_per_token"] == 114_688
+    assert not any(note.startswith("KV sized in") for note in data["notes"])

@@ -119,7 +119,7 @@ def test_gguf_gemma3_sliding_pattern(tmp_path):
 def test_not_a_gguf(tmp_path):
     path = tmp_path / "fake.gguf"
     path.write_bytes(b"GGUF but not really")
-    with pytest.raises(KvlabError, match="GGUF"):
+    with pytest.raises(KvlabError, match="not a valid GGUF|is truncated"):  # its magic, then a header cut short
         load_config(path)
 
 

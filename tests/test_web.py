@@ -95,13 +95,43 @@ def test_the_calculator_answers_what_kvlab_mem_prints(server, capsys, config, ar
 def test_the_served_models_config_is_the_one_kvlab_mem_reads(server, capsys, tiny_chat_model):
     r = server.get("/api/web/memory?config=served&context=200&batch=3")
     expected = kvlab_mem_json(capsys, str(tiny_chat_model), "--context", "200", "--batch", "3")
-    assert r.json()["models"] == [expected]
+    [served] = r.json()["models"]
+    # the same figures; only the reason for the KV format differs (this server's cache / what `kvlab run` keeps)
+    assert served["notes"][0] == "KV sized in float32: the format the served engine's cache holds"
+    assert expected["notes"][0].startswith("KV sized in float32: what `kvlab run` keeps")
+    assert served["source"] == Path(expected["source"]).name  # the file's name, never its path on the server
+    same = {"notes": None, "source": None}
+    assert {**served, **same} == {**expected, **same} and served["notes"][1:] == expected["notes"][1:]
+    assert served["kv_bytes_per_token"] == server.llm.engine.cache.bytes_per_token()
     info = server.get("/api/web/model").json()
+    assert info["served_kv_dtype"] == "float32"
     assert info["model"] == "tiny" and info["has_chat_template"] and info["max_model_len"] == 256
     assert info["configs"][0] == "served" and "qwen3-0.6b" in info["configs"]
     assert "auto" in info["kv_dtypes"] and "fp8" in info["kv_dtypes"]
     assert info["device"] == "cpu" and info["device_memory_bytes"] > 2**20
     assert info["kv_blocks_total"] == server.llm.engine.kv.pool.counts().total
+
+
+def test_the_served_entry_sizes_the_kv_format_the_engine_really_holds(tiny_chat_model, one_thread):
+    """Keys in fp8_e4m3 (a float32 scale per vector), values in float32: "auto" for the served model is what
+    this engine's cache allocates per token, K and V apart, and its note names that format (issue 31)."""
+    from kvlab import LLM
+
+    mixed = LLM(tiny_chat_model, max_model_len=256, cache_type_k="fp8_e4m3", kv_memory_bytes=1 << 20)
+    with serving(mixed) as s:
+        [report] = s.get("/api/web/memory?config=served&context=100&kv_dtype=auto").json()["models"]
+        info = s.get("/api/web/model").json()
+        [half] = s.get("/api/web/memory?config=served&context=100&kv_dtype=float16").json()["models"]
+    cache = mixed.engine.cache
+    assert (cache.formats.k.name, cache.formats.v.name) == ("fp8_e4m3", "float32")
+    assert report["kv_dtype"] == info["served_kv_dtype"] == "fp8_e4m3:float32"
+    # 3 layers x 2 KV heads x (16 fp8 codes + a 4-byte scale, then 16 float32 numbers)
+    assert report["kv_bytes_per_token"] == cache.bytes_per_token() == 3 * 2 * (16 + 4 + 16 * 4)
+    assert report["kv_bytes"] == 100 * cache.bytes_per_token()
+    assert report["notes"][0] == "KV sized in fp8_e4m3:float32: the format the served engine's cache holds"
+    # a format chosen in the page is sized as chosen, with nothing to explain
+    assert half["kv_dtype"] == "float16" and half["kv_bytes_per_token"] == 3 * 2 * 2 * 16 * 2
+    assert not any(note.startswith("KV sized in") for note in half["notes"])
 
 
 @pytest.mark.parametrize("query, says", [

@@ -1,8 +1,10 @@
 """The page at / in a real browser (issue 17): Playwright driving Debian's chromium on a tiny model.
 
     chat: streamed text, the answer's own timings, a second turn served from the prefix cache,
-          stop mid-answer and the KV gauge back to idle; the calculator's bytes equal `kvlab mem
-          --json`'s; the positions picture's counts; phone width; zero console errors
+          stop mid-answer and the KV gauge back to idle; the pane following the conversation (and
+          keeping a reader's place when they scroll up); the calculator's bytes equal `kvlab mem
+          --json`'s, the served model's in its engine's KV format; the positions picture's counts;
+          phone width; zero console errors
 
 Playwright's own browser download cannot work offline, so it drives /usr/bin/chromium (`make test`
 installs Debian's package where it is missing); without it, or without the playwright package,
@@ -151,6 +153,87 @@ def test_chat_streams_explains_each_answer_and_stops(slow_llm):
         assert errors == []
 
 
+IN_PANE = """([selector, index]) => {  // is the element wholly inside the chat pane's visible area?
+    const pane = document.getElementById('messages').getBoundingClientRect();
+    const node = document.querySelectorAll(selector)[index].getBoundingClientRect();
+    return node.height > 0 && node.top >= pane.top - 1 && node.bottom <= pane.bottom + 1;
+}"""
+
+
+def in_pane(page, selector: str, index: int = -1) -> bool:
+    """Whether the `index`-th match of `selector` (the last by default) shows whole inside the chat pane."""
+    count = page.locator(selector).count()
+    return page.evaluate(IN_PANE, [selector, index % count])
+
+
+def pane_scroll(page) -> dict:
+    return page.evaluate("""() => { const m = document.getElementById('messages');
+        return {top: m.scrollTop, height: m.scrollHeight, client: m.clientHeight}; }""")
+
+
+def settled_scroll_top(page) -> float:
+    """The pane's scrollTop once a wheel's scrolling has come to rest (it may be animated)."""
+    last = None
+    while (top := pane_scroll(page)["top"]) != last:
+        last = top
+        page.wait_for_timeout(150)
+    return top
+
+
+def test_the_chat_pane_follows_the_conversation_unless_the_reader_scrolls_up(slow_llm):
+    """Issue 31: the newest message, its timings and the Stop note stay in view as the pane overflows;
+    a reader who scrolls up mid-answer keeps their place, and scrolling back down follows again."""
+    from loopback import serving
+
+    with serving(slow_llm) as s, chromium((1000, 450)) as context:  # a short window: the pane is 60% of it
+        page, errors = open_page(context, s.url)
+        open_sampling(page)
+        page.fill("#max-tokens", "24")
+        page.check("#ignore-eos")
+        # after every change the streaming answer makes, is its live line (under the text) in view?
+        page.evaluate("() => { window.views = []; const seen = " + IN_PANE + """;
+            new MutationObserver(() => {
+              const lives = document.querySelectorAll('li.answer[data-status=streaming] .live');
+              if (lives.length) window.views.push(seen(['li.answer[data-status=streaming] .live', 0]));
+            }).observe(document.getElementById('messages'), {subtree: true, childList: true, characterData: true});
+          }""")
+        for turn in range(3):
+            send(page, f"Story {turn + 1}, please.")
+            answer = page.locator("li.answer").nth(turn)
+            answer.and_(page.locator("[data-status=done]")).wait_for()
+            answer.locator(".timeline figcaption").wait_for()
+            assert in_pane(page, "li.answer .timeline figcaption")  # the answer's timings, in view
+        scroll = pane_scroll(page)
+        assert scroll["height"] > scroll["client"] + 200 and scroll["top"] > 0  # it overflows, and it followed
+        views = page.evaluate("window.views")
+        assert len(views) >= 3 * 5 and all(views)  # mid-stream, every piece of text was shown as it came
+
+        page.fill("#max-tokens", "200")  # the conversation so far is ~200 tokens of the 512 of the context
+        send(page, "One more, a long one.")
+        text = "() => document.querySelectorAll('li.answer')[3].querySelector('.text').textContent.length"
+        page.wait_for_function(f"{text} > 5")
+        assert in_pane(page, "li.answer .live")
+        page.hover("#messages")
+        page.mouse.wheel(0, -300)  # the reader scrolls up, to read an earlier answer again
+        kept = settled_scroll_top(page)
+        assert kept < pane_scroll(page)["height"] - pane_scroll(page)["client"] - 100
+        shown = page.evaluate(text)
+        page.wait_for_function(f"{text} > {shown + 8}")  # more text arrived meanwhile ...
+        assert pane_scroll(page)["top"] == kept and not in_pane(page, "li.answer .live")  # ... and the place held
+
+        page.mouse.wheel(0, 100_000)  # back down to the end: the pane follows again
+        settled_scroll_top(page)
+        shown = page.evaluate(text)
+        page.wait_for_function(f"{text} > {shown + 5}")
+        assert in_pane(page, "li.answer .live")
+        page.click("#stop")
+        stopped = page.locator("li.answer").nth(3)
+        stopped.and_(page.locator("[data-status=stopped]")).wait_for()
+        assert stopped.locator(".live").inner_text().startswith("stopped")
+        assert in_pane(page, "li.answer .live")  # the Stop note, in view
+        assert errors == []
+
+
 def test_the_calculator_and_the_picture_are_kvlab_memorys(slow_llm, capsys):
     from loopback import serving
 
@@ -159,6 +242,13 @@ def test_the_calculator_and_the_picture_are_kvlab_memorys(slow_llm, capsys):
 
     with serving(slow_llm) as s, chromium() as context:
         page, errors = open_page(context, s.url)
+        # first the served model, its KV in the format the server's cache holds (issue 31)
+        page.wait_for_selector("#calc-result[data-config='served'][data-context='4096']")
+        per_token = slow_llm.engine.cache.bytes_per_token()
+        assert int(page.get_attribute("#calc-kv", "data-bytes")) == 4096 * per_token
+        assert "KV in float32" in page.inner_text("#calc-result caption")
+        assert "KV sized in float32: the format the served engine's cache holds" in page.inner_text("#calc-result")
+        assert page.inner_text("#calc-dtype option[value=auto]") == "auto (what the server holds: float32)"
         page.select_option("#calc-config", "qwen3-0.6b")
         page.fill("#calc-device", "24")
         page.wait_for_selector("#calc-result[data-config='qwen3-0.6b'][data-context='4096']")

@@ -75,7 +75,6 @@ def config_from_gguf(gguf: GGUFFile, *, name: str | None = None) -> ModelConfig:
         name=name or path.stem,
         source=str(path),
         file_weights=weights,
-        notes=("GGUF: KV sized in f16 (llama.cpp's default cache type) unless --kv-dtype says otherwise",),
         mtp_layers=tuple(_with_rope(layer, arch, gguf.metadata, rope) for layer in mtp_layers),
     )
 

@@ -39,7 +39,8 @@ def register(subparsers) -> None:
                    help="tokens per sequence (32768, 32k = 32,768); default: the model's trained maximum")
     p.add_argument("-b", "--batch", default="1", metavar="B", help="concurrent sequences (default 1)")
     p.add_argument("--kv-dtype", default="auto", metavar="DTYPE",
-                   help=f"KV-cache element type: auto (the model's dtype), {', '.join(KV_DTYPE_BITS)}")
+                   help=f"KV-cache element type: auto (what `kvlab run` keeps for a model file; a bare config's "
+                        f"own dtype), {', '.join(KV_DTYPE_BITS)}")
     p.add_argument("--cache-type-k", metavar="DTYPE", help="keys only (overrides --kv-dtype), e.g. q8_0")
     p.add_argument("--cache-type-v", metavar="DTYPE", help="values only (overrides --kv-dtype), e.g. q4_0")
     p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
@@ -88,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
     base = Query(
         context=1,
         batch=_int(args.batch, "--batch"),
-        kv_dtype=_kv_dtype(args),
+        kv_dtype=_kv_dtype(args),  # 'auto' sides become, per model, what `kvlab run` would keep (_query)
         weights=args.weights,
         state_dtype=args.state_dtype,
         device_bytes=parse_size(args.device_memory) if args.device_memory else None,
@@ -96,13 +97,14 @@ def run(args: argparse.Namespace) -> int:
         prefill_chunk=_int(args.prefill_chunk, "--prefill-chunk"),
     )
     context = _tokens(args.context) if args.context else None
-    reports = [estimate(spec, _query(base, spec, context)) for spec in specs]
+    queries = [_query(base, spec, context) for spec in specs]
+    reports = [estimate(spec, q) for spec, q in zip(specs, queries)]
     if args.plot and specs:
         from kvlab.memory.plot import plot_kv
 
         top = max([context or 0] + [s.max_position_embeddings or 0 for s in specs]) or 131072
         plot_kv(specs, args.plot, batch=base.batch, top_context=top, device_bytes=base.device_bytes,
-                kv_dtypes=[resolve_kv_dtype(s, base.kv_dtype) for s in specs])
+                kv_dtypes=[resolve_kv_dtype(s, q.kv_dtype) for s, q in zip(specs, queries)])
     if args.json:
         print(json.dumps(_json(reports, pairs), indent=2))
         return 0
@@ -116,11 +118,22 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _query(base: Query, spec, context: int | None) -> Query:
+    """The query for one model: its context, and its KV format where the user left it to 'auto'.
+
+    A model `kvlab run` can load (a GGUF file, a checkpoint directory) is sized in the format `kvlab run`
+    keeps on its default device, so `kvlab mem` and the engine agree; a bare config keeps its own dtype."""
     if context is None:
         if not spec.max_position_embeddings:
             raise KvlabError(f"{spec.name}: the config gives no context length; pass --context")
         context = spec.max_position_embeddings
-    return dataclasses.replace(base, context=context)
+    from kvlab.memory.engine_kv import RUN_DEVICE, fill_auto, has_auto, run_kv_dtype, runs_as_is
+
+    query = dataclasses.replace(base, context=context)
+    if not (has_auto(base.kv_dtype) and runs_as_is(spec)):
+        return query
+    kv_dtype = fill_auto(base.kv_dtype, run_kv_dtype(spec))
+    reason = f"what `kvlab run` keeps for this model on {RUN_DEVICE} (--kv-dtype sizes another format)"
+    return dataclasses.replace(query, kv_dtype=kv_dtype, kv_reason=reason)
 
 
 def _json(reports, pairs) -> object:

@@ -34,6 +34,7 @@ class Query:
     context: int
     batch: int = 1
     kv_dtype: str = "auto"  # auto = the model's dtype
+    kv_reason: str = ""  # why the KV is sized in this format, for the report's first note ("": the user chose)
     weights: str = "auto"  # auto = as stored / as the config says
     state_dtype: str = "auto"
     device_bytes: int | None = None
@@ -168,7 +169,7 @@ def estimate(spec: ModelConfig, q: Query) -> MemoryReport:
         raise KvlabError(f"prefill chunk must be at least 1 token, got {q.prefill_chunk}")
     kv_dtype = resolve_kv_dtype(spec, q.kv_dtype)
     q = dataclasses.replace(q, kv_dtype=kv_dtype)
-    notes = list(spec.notes)
+    notes = ([f"KV sized in {kv_dtype}: {q.kv_reason}"] if q.kv_reason else []) + list(spec.notes)
     w = weight_bytes(spec, q.weights)
     workspace = workspace_bytes(spec, q.context, q.batch, q.prefill_chunk)
     kv, state = kv_bytes(spec, q.context, q.batch, kv_dtype), state_bytes(spec, q.batch, q.state_dtype)

@@ -13,7 +13,9 @@ gauges from /metrics. The page obeys the server's rules like any client: same-or
 and the API key, entered once in the page, on every call that needs it.
 
 The calculator never runs in JavaScript: /api/web/memory answers with `kvlab.memory.estimate`'s
-report, the same object `kvlab mem --json` prints, and seed 004's query-key pair counts.
+report, the same object `kvlab mem --json` prints, and seed 004's query-key pair counts. For the served
+model, "auto" KV is the format this server's engine cache really holds (its K and V formats), not the
+model file's idea of a cache: on a CPU a GGUF model's cache is float32, not llama.cpp's f16.
 """
 
 from __future__ import annotations
@@ -79,7 +81,7 @@ def _whole(query, name: str, default: int) -> int:
     text = query.get(name)
     if text is None:
         return default
-    if not text.strip().isdigit() or len(text) > 18:
+    if not (text.strip().isascii() and text.strip().isdigit()) or len(text) > 18:  # "²".isdigit() too: int() refuses it
         raise KvlabError(f"{name} must be a whole number, got {text!r:.40}")
     return int(text)
 
@@ -87,6 +89,7 @@ def _whole(query, name: str, default: int) -> int:
 def model_info(llm, model_name: str) -> dict:
     """What the page needs to know once: the model, its chat template, its device, the calculator's choices."""
     from kvlab.config import bundled_names
+    from kvlab.memory.engine_kv import engine_kv_dtype
     from kvlab.memory.units import KV_DTYPE_BITS
 
     engine = llm.engine
@@ -101,6 +104,7 @@ def model_info(llm, model_name: str) -> dict:
         "device_memory_bytes": device_memory_bytes(device),
         "configs": [SERVED, *bundled_names()],
         "kv_dtypes": ["auto", *KV_DTYPE_BITS],
+        "served_kv_dtype": engine_kv_dtype(engine.cache.formats),  # what "auto" means for the served config
     }
 
 
@@ -120,11 +124,15 @@ def memory_answer(llm, config: str, context: int, batch: int, kv_dtype: str, dev
     """`kvlab mem CONFIG --context C --batch B --kv-dtype D [--device-memory X] --pairs N M --json`, as a dict."""
     from kvlab.config import bundled_names, load_config
     from kvlab.memory import estimate, pairs_with_cache, pairs_without_cache
+    from kvlab.memory.engine_kv import SERVED_REASON, engine_kv_dtype, fill_auto, has_auto
     from kvlab.memory.fit import Query
     from kvlab.memory.pairs import pairs_steps
 
+    reason = ""
     if config == SERVED:
         spec = llm.loaded.config
+        if has_auto(kv_dtype):  # the bytes this server's cache really holds, not the file's idea of a cache
+            kv_dtype, reason = fill_auto(kv_dtype, engine_kv_dtype(llm.engine.cache.formats)), SERVED_REASON
     elif config in bundled_names():  # never a path or a registry name: a page must not make the server read or pull
         spec = load_config(config)
     else:
@@ -134,7 +142,11 @@ def memory_answer(llm, config: str, context: int, batch: int, kv_dtype: str, dev
     n, m = pairs
     if n < 0 or m < 0 or n + m > MAX_PICTURE_POSITIONS:
         raise KvlabError(f"the positions picture takes n, m >= 0 with n + m <= {MAX_PICTURE_POSITIONS}, got {n}, {m}")
-    report = estimate(spec, Query(context=context, batch=batch, kv_dtype=kv_dtype, device_bytes=device_bytes))
+    report = estimate(spec, Query(context=context, batch=batch, kv_dtype=kv_dtype, kv_reason=reason,
+                                  device_bytes=device_bytes))  # fmt: skip
     steps = [{"positions": p, "with_cache": w, "without_cache": wo} for p, w, wo in pairs_steps(n, m)]
     pairs_json = {"n": n, "m": m, "with_cache": pairs_with_cache(n, m), "without_cache": pairs_without_cache(n, m)}
-    return {"models": [report.to_json()], "pairs": {**pairs_json, "steps": steps}}
+    model = report.to_json()
+    if config == SERVED:  # the served file's name, never its absolute path on the server's disk
+        model["source"] = model["source"].replace("\\", "/").rsplit("/", 1)[-1]
+    return {"models": [model], "pairs": {**pairs_json, "steps": steps}}

@@ -17,8 +17,10 @@ export class Calculator {
     config.replaceChildren(...model.configs.map((name) =>
       el("option", { value: name }, name === "served" ? `${model.model} (served)` : name)));
     const dtype = document.getElementById("calc-dtype");
-    dtype.replaceChildren(...model.kv_dtypes.map((name) =>
-      el("option", { value: name }, name === "auto" ? "auto (the model's dtype)" : name)));
+    dtype.replaceChildren(...model.kv_dtypes.map((name) => el("option", { value: name }, name)));
+    // "auto" is the served engine's own KV format for the served model, a config's dtype for the others
+    this.autoOption = dtype.querySelector('option[value="auto"]');
+    this.servedKvDtype = model.served_kv_dtype;
     const device = document.getElementById("calc-device");
     if (model.device_memory_bytes > 0) device.value = String(+(model.device_memory_bytes / GIB).toFixed(3));
     document.getElementById("calc-device").title = `${model.device}'s memory`;
@@ -45,6 +47,8 @@ export class Calculator {
 
   async update() {
     const asked = ++this.asked;
+    this.autoOption.textContent = document.getElementById("calc-config").value === "served"
+      ? `auto (what the server holds: ${this.servedKvDtype})` : "auto (the model's dtype)";
     const error = document.getElementById("calc-error");
     try {
       const answer = await getJSON(`/api/web/memory?${this.query()}`);

@@ -7,6 +7,8 @@
 import { streamJSON } from "./api.js";
 import { bytes, count, el, rate, seconds } from "./format.js";
 
+const END_SLACK_PX = 8; // this close to the pane's end counts as at the end (zoom gives fractional offsets)
+
 const NOTES = {
   chat: "Each turn sends the whole conversation through the model's chat template; the turns before are " +
         "found in the prefix cache, so only the new tokens are prefilled.",
@@ -86,28 +88,39 @@ export class Chat {
     const messages = [...this.history, { role: "user", content: text }];
     const body = { model: this.model.model, stream: true, ...this.params(),
                    ...(raw ? { prompt: this.transcript + text } : { messages }) };
-    this.list.append(el("li", { class: "message user" }, el("span", { class: "role" }, raw ? "prompt" : "you"),
-                        el("div", { class: "text" }, text)));
     const answer = new Answer(raw ? "continuation" : "assistant");
-    this.list.append(answer.node);
+    this.follow(() => this.list.append(
+      el("li", { class: "message user" }, el("span", { class: "role" }, raw ? "prompt" : "you"),
+         el("div", { class: "text" }, text)),
+      answer.node), true); // a new question is always shown: the reader asked it
     this.prompt.value = "";
     this.busy(new AbortController());
     try {
-      await streamJSON(path, body, this.controller.signal, (chunk) => answer.chunk(chunk));
-      answer.finish(this.controller.signal.aborted ? "stopped" : "done");
+      await streamJSON(path, body, this.controller.signal, (chunk) => this.follow(() => answer.chunk(chunk)));
+      this.follow(() => answer.finish(this.controller.signal.aborted ? "stopped" : "done"));
     } catch (error) {
-      if (this.controller.signal.aborted) answer.finish("stopped");
-      else answer.fail(error.message);
+      if (this.controller.signal.aborted) this.follow(() => answer.finish("stopped"));
+      else this.follow(() => answer.fail(error.message));
     }
     if (answer.status !== "error") { // the turn stays, even a stopped one: its K/V are in the prefix cache
       if (raw) this.transcript += text + answer.text;
       else this.history = [...messages, { role: "assistant", content: answer.text }];
     }
     if (answer.kvlab) this.answers.push(answer);
-    this.drawTimelines();
+    this.follow(() => this.drawTimelines());
     this.busy(null);
     this.prompt.focus();
     this.onAnswer();
+  }
+
+  // The pane follows the conversation: a change made while it showed its end shows the new end (the
+  // streaming text, its timings, the Stop note). A reader who scrolled up keeps their place; scrolling
+  // back to the end follows again. Measured before each change, so no scroll event has to arrive first.
+  follow(change, always = false) {
+    const list = this.list;
+    const atEnd = list.scrollHeight - list.scrollTop - list.clientHeight <= END_SLACK_PX;
+    change();
+    if (always || atEnd) list.scrollTop = list.scrollHeight;
   }
 
   stop() {
