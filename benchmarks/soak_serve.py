@@ -18,6 +18,10 @@ Anything else — a 5xx, a malformed answer, a stream cut short, no answer by --
 **lost**; the run fails if any request is lost, or if the server does not come back to idle (no
 request running or waiting, no KV block held, by its own /metrics). RSS of the server process is
 read from /proc after a warm-up, after each wave, and its peak (VmHWM).
+
+`--abuse` runs issue 29's experiment instead (`abuse_soak.py`): ordinary clients alone, then beside
+abusive ones — slow uploaders, a giant multi-prompt client, grammar bombs — reporting the ordinary
+clients' TTFT p50/p99 in each, their 429s and losses, and RSS after each wave.
 """
 
 from __future__ import annotations
@@ -56,10 +60,10 @@ class Tally:
             self.lost.append(str(detail))
 
 
-def start_server(args) -> tuple[subprocess.Popen, str]:
+def start_server(args, *extra: str) -> tuple[subprocess.Popen, str]:
     cmd = [sys.executable, "-m", "kvlab.cli", "serve", args.model, "--port", "0", "--max-num-seqs", str(args.max_num_seqs),
            "--kv-memory", args.kv_memory, "--max-model-len", str(args.max_model_len), "--threads", str(args.threads),
-           "--max-concurrent-requests", str(args.max_concurrent_requests)]  # fmt: skip
+           "--max-concurrent-requests", str(args.max_concurrent_requests), *extra]  # fmt: skip
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parents[1])
     for line in proc.stderr:
         print("  server:", line.rstrip(), file=sys.stderr)
@@ -184,7 +188,13 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", help="also write the figures to this file")
+    p.add_argument("--abuse", action="store_true", help="issue 29's experiment: ordinary clients beside abusive ones")
+    from abuse_soak import add_abuse_args, run_abuse  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
+
+    add_abuse_args(p)
     args = p.parse_args()
+    if args.abuse:
+        return run_abuse(args)
 
     proc, url = start_server(args)
     try:

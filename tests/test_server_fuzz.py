@@ -32,7 +32,7 @@ PLAUSIBLE = {
     "max_tokens": lambda r: r.randint(1, 6), "max_completion_tokens": lambda r: r.randint(1, 6),
     "temperature": lambda r: r.choice([0, 0.7, 2, 1e-9]), "top_p": lambda r: r.choice([1, 0.9, 1e-9]),
     "top_k": lambda r: r.choice([-1, 0, 1, 40]), "min_p": lambda r: r.choice([0, 0.1, 1]),
-    "seed": lambda r: r.randint(-(2**63), 2**63 - 1), "stop": lambda r: r.choice(["\n", ["a", "b"], "."]),
+    "seed": lambda r: r.randint(0, 2**32 - 1), "stop": lambda r: r.choice(["\n", ["a", "b"], "."]),
     "repetition_penalty": lambda r: r.choice([1, 1.3, 0.5, 2]), "cache_salt": lambda r: r.choice(["a", "b"]),
 }  # fmt: skip
 MESSAGES = [

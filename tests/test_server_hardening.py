@@ -50,6 +50,8 @@ def assert_error(r: httpx.Response, status: int, code: str | None = None, param:
     [
         ({"seed": 2**64}, "seed"),
         ({"seed": -(2**63) - 1}, "seed"),
+        ({"seed": -1}, "seed"),
+        ({"seed": 2**32}, "seed"),
         ({"top_p": 0}, "top_p"),
         ({"repetition_penalty": 1e-300, "temperature": 1}, "repetition_penalty"),
         ({"temperature": 2.5}, "temperature"),
@@ -74,8 +76,8 @@ def test_a_number_too_big_for_a_float_is_a_400_not_an_infinity(server):
 @pytest.mark.parametrize(
     "fields",
     [
-        {"seed": 2**63 - 1, "temperature": 1},
-        {"seed": -(2**63), "temperature": 1},
+        {"seed": 2**32 - 1, "temperature": 1},
+        {"seed": 0, "temperature": 1},
         {"temperature": 1e-40},  # sampled at the 0.01 floor, not divided into infinities
         {"top_p": 1e-300, "temperature": 1},  # floored at 1e-6: the most likely token stays
         {"repetition_penalty": 0.01, "temperature": 0.01, "seed": 3},
@@ -230,14 +232,14 @@ def test_unknown_paths_and_methods_keep_the_shape(server):
 def test_health_answers_while_a_big_request_is_being_tokenized(llm, monkeypatch):
     """A 4 MB prompt: /health is answered while the request is still inside the tokenizer."""
     inside, release = threading.Event(), threading.Event()
-    encode = llm.encode
+    prefix_beyond = llm.tokenizer.prefix_beyond  # a prompt this long is refused after tokenizing a prefix
 
-    def slow_encode(prompt):
+    def slow_prefix_beyond(text, num_tokens):
         inside.set()
         release.wait(30)
-        return encode(prompt)
+        return prefix_beyond(text, num_tokens)
 
-    monkeypatch.setattr(llm, "encode", slow_encode)
+    monkeypatch.setattr(llm.tokenizer, "prefix_beyond", slow_prefix_beyond)
     prompt = "word " * (4 * 2**20 // 5)
     with serving(llm, max_body_bytes=8 * 2**20, max_prompt_chars=2**23) as s:
         result = {}
@@ -249,7 +251,7 @@ def test_health_answers_while_a_big_request_is_being_tokenized(llm, monkeypatch)
         release.set()
         big.join(60)
         assert_error(result["r"], 400, "context_length_exceeded")  # 4 MB of words do not fit 256 tokens
-        monkeypatch.setattr(llm, "encode", encode)
+        monkeypatch.setattr(llm.tokenizer, "prefix_beyond", prefix_beyond)
         s.assert_still_serving()
 
 

@@ -38,6 +38,7 @@ class RequestGroup:
             return False
         for c in self.output.outputs:  # choices never forked: the request was aborted before its first token
             c.finish_reason = c.finish_reason or "abort"
+        self.output.cached_prompt_tokens = self.output.outputs[0].metrics.cached_prompt_tokens  # the prompt's own
         if self.params.num_sequences > self.params.n:
             self._keep_best()
         return True

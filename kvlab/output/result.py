@@ -111,6 +111,9 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=lambda: [CompletionOutput()])
     prompt_logprobs: list[Logprob | None] | None = None
     request_id: str | None = None
+    # prompt tokens the prefix cache served, set when the request ends: its prompt sequence's (choice 0
+    # before best_of ranks them), not a forked choice's, which shared the whole prompt's blocks
+    cached_prompt_tokens: int | None = None
 
     # the first choice's fields, flat
     @property

@@ -49,12 +49,13 @@ class SpmdEngine:
 
     # ---- rank 0: the requests ---------------------------------------------------------------------
 
-    def add_request(self, prompt_token_ids, params, request_id=None, output=None, arrival_s=None, cache_salt=None):
+    def add_request(self, prompt_token_ids, params, request_id=None, output=None, arrival_s=None, cache_salt=None,
+                    client_id=None):
         if not params.is_greedy and params.seed is None:  # every rank must draw the same tokens
-            params = dataclasses.replace(params, seed=random.SystemRandom().randrange(2**63))
+            params = dataclasses.replace(params, seed=random.SystemRandom().randrange(2**32))
         request_id = self.engine.add_request(prompt_token_ids, params, request_id=request_id, output=output,
-                                             arrival_s=arrival_s, cache_salt=cache_salt)  # fmt: skip
-        self._events.append(("add", list(prompt_token_ids), params, request_id, cache_salt))
+                                             arrival_s=arrival_s, cache_salt=cache_salt, client_id=client_id)  # fmt: skip
+        self._events.append(("add", list(prompt_token_ids), params, request_id, cache_salt, client_id))
         return request_id
 
     def abort_request(self, request_id: str):
@@ -83,8 +84,8 @@ class SpmdEngine:
                 return
             for event in events:
                 if event[0] == "add":
-                    _, ids, params, rid, salt = event
-                    self.engine.add_request(ids, params, request_id=rid, cache_salt=salt)
+                    _, ids, params, rid, salt, client = event
+                    self.engine.add_request(ids, params, request_id=rid, cache_salt=salt, client_id=client)
                 else:
                     self.engine.abort_request(event[1])
             self.engine.step()

@@ -9,7 +9,10 @@ from typing import Any
 
 from kvlab.errors import KvlabError
 
-INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # a seed is an int64 (OpenAI's `seed`); the generator maps it mod 2**64
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+# torch's CPU generator (mt19937, every sequence's own) keeps only a seed's low 32 bits: a wider range would
+# give two seeds the same text (-1 and 2**32 - 1, 0 and 2**32), so wider seeds are refused, not wrapped
+MAX_SEED = 2**32 - 1
 # Numerical floors, applied when the params are built (as vLLM does): below them float32 underflows —
 # logits / 1e-40 are inf, a top_p of 1e-300 is 0.0 in float32 and drops every token — and a draw
 # from the resulting NaN distribution raises inside the engine step.
@@ -78,7 +81,7 @@ class SamplingParams:
 
     Ranges (a KvlabError otherwise): temperature finite and >= 0 (the server narrows it to OpenAI's
     0-2), top_p in (0, 1], min_p in [0, 1], repetition_penalty in [0.01, 100], presence and frequency
-    penalties in [-2, 2], logit_bias values in [-100, 100], seed within int64.
+    penalties in [-2, 2], logit_bias values in [-100, 100], seed in [0, 2**32 - 1] (MAX_SEED).
     A temperature in (0, 0.01) is raised to 0.01 and a top_p below 1e-6 to 1e-6 (see MIN_TEMPERATURE).
     """
 
@@ -162,8 +165,8 @@ class SamplingParams:
              f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"),
             (self.logit_bias is None or _bias_ok(self.logit_bias),
              f"logit_bias must map token ids (integers >= 0) to numbers in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]"),
-            (self.seed is None or (_integer(self.seed) and INT64_MIN <= self.seed <= INT64_MAX),
-             f"seed must be an integer within int64, got {self.seed!r}"),
+            (self.seed is None or (_integer(self.seed) and 0 <= self.seed <= MAX_SEED),
+             f"seed must be an integer in [0, {MAX_SEED}] (the generator keeps 32 bits), got {self.seed!r}"),
             (all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings"),
             (isinstance(self.ignore_eos, bool), f"ignore_eos must be true or false, got {self.ignore_eos!r}"),
             (self.num_speculative_tokens is None or (_integer(self.num_speculative_tokens) and 0 <= self.num_speculative_tokens <= 16),

@@ -12,11 +12,21 @@ for the first) and 0.7 ms to compile the schema, with no index to build over the
 dependency (one 3 MB wheel). outlines-core took 0.8 ms a token to hand back the allowed ids;
 xgrammar needs transformers and triton at run time. llguidance also reads Lark grammars with JSON
 schemas inside (`%json`), which the tool-call grammar uses. It is imported on first use only.
+
+llguidance builds its lexer lazily, so some grammars pass its validation and fail only mid-answer (a
+`pattern` of `^(a{1000}){1000}$` exhausts the lexer once the string opens; `$ref`s that point at each
+other never produce a value). So `compile` also refuses, before any work: `$ref`/`allOf`/`anyOf`/`oneOf`
+chains that loop without consuming input, every `pattern` that fails alone, and a grammar that fails
+within a few probe walks (PROBE_WALKS × PROBE_STEPS tokens, the first always taking the lowest allowed
+token, the others seeded random ones). What still fails mid-answer raises `GrammarFailed` from `fill`:
+the engine ends that request with the error (the server: a 500 `structured_output_failed`, or an
+error event in a stream), never with an answer that does not parse.
 """
 
 from __future__ import annotations
 
 import json
+import random
 import re
 import threading
 from collections import OrderedDict
@@ -31,6 +41,12 @@ _SHIFTS = torch.arange(32, dtype=torch.int32)
 # Whitespace between JSON tokens, bounded (one space, or a newline and its indent): unbounded, a sampled answer can spend max_tokens on spaces
 # (llama.cpp's JSON grammars bound it too). Schemas may override it with their own "x-guidance".
 JSON_OPTIONS = {"whitespace_pattern": r"(?:\n[ \t]{0,20}| )?"}  # nothing, a space, or a newline and its indent
+PROBE_WALKS, PROBE_STEPS = 3, 24  # compile's probe: walks into a new grammar, tokens each (a few ms in all)
+_ALIAS_KEYS = ("allOf", "anyOf", "oneOf")  # a schema's members that apply before it consumes any input
+
+
+class GrammarFailed(KvlabError):
+    """The grammar engine failed mid-answer: the text so far cannot be completed into one that parses."""
 
 
 def _llguidance():
@@ -98,6 +114,11 @@ class GrammarCompiler:
         if error and not error.startswith("WARNING"):
             raise KvlabError(f"cannot compile the structured output: {_first_line(error)}")
         grammar = Grammar(source, vocabulary, self.eos_token_ids)
+        if spec.json is not None:
+            _check_schema(spec.json if isinstance(spec.json, dict) else json.loads(spec.json), self)
+        error = _probe(grammar)
+        if error is not None:
+            raise KvlabError(f"cannot compile the structured output: the grammar {error}")
         with self._lock:
             self._cache[source] = grammar
             while len(self._cache) > self._cache_size:
@@ -109,38 +130,146 @@ def _first_line(error: str) -> str:
     return re.sub(r"\s+", " ", error.strip().splitlines()[0] if error.strip() else error)[:300]
 
 
+def _check_schema(schema: dict, compiler: GrammarCompiler) -> None:
+    """A JSON schema's parts llguidance only trips on mid-answer: looping $refs, patterns its lexer cannot build."""
+    nodes, patterns = _schema_nodes(schema)
+    if _alias_loop(schema, nodes):
+        raise KvlabError("cannot compile the structured output: its $refs (or allOf/anyOf/oneOf) loop without "
+                         "ever producing a value")  # fmt: skip
+    for pattern in dict.fromkeys(patterns):
+        source = _llguidance().LLMatcher.grammar_from_json_schema({"type": "string", "pattern": pattern})
+        error = _probe(Grammar(source, compiler._vocabulary(), compiler.eos_token_ids), walks=1, steps=4)
+        if error is not None:
+            raise KvlabError(f"cannot compile the structured output: the pattern {pattern!r:.60} {error}")
+
+
+_DATA_KEYS = ("const", "enum", "default", "examples")  # values, not schemas: a "pattern" key there is data
+
+
+def _schema_nodes(schema) -> tuple[list[dict], list[str]]:
+    """Every schema object inside a schema, and every string `pattern` among them (iterative: no recursion limit)."""
+    nodes, patterns, stack = [], [], [schema]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, dict):
+            nodes.append(value)
+            if isinstance(value.get("pattern"), str):
+                patterns.append(value["pattern"])
+            stack.extend(v for k, v in value.items() if k not in _DATA_KEYS)
+        elif isinstance(value, list):
+            stack.extend(value)
+    return nodes, patterns
+
+
+def _alias_loop(root: dict, nodes: list[dict]) -> bool:
+    """Whether following what a schema is before it reads any input ($ref, allOf/anyOf/oneOf members) loops
+    (a depth-first search with colours over those edges: linear in the schema, no recursion)."""
+    state: dict[int, int] = {}  # id(node) → 1 on the current path, 2 done
+    for start in nodes:
+        if id(start) in state:
+            continue
+        state[id(start)] = 1
+        path = [(start, iter(_aliases(root, start)))]
+        while path:
+            node, edges = path[-1]
+            target = next(edges, None)
+            if target is None:
+                state[id(node)] = 2
+                path.pop()
+            elif state.get(id(target)) == 1:
+                return True
+            elif id(target) not in state:
+                state[id(target)] = 1
+                path.append((target, iter(_aliases(root, target))))
+    return False
+
+
+def _aliases(root: dict, node: dict) -> list[dict]:
+    targets = [m for key in _ALIAS_KEYS if isinstance(node.get(key), list) for m in node[key] if isinstance(m, dict)]
+    ref = node.get("$ref")
+    target = _pointer(root, ref[1:]) if isinstance(ref, str) and ref.startswith("#") else None
+    return targets + [target] if isinstance(target, dict) else targets
+
+
+def _pointer(root: dict, pointer: str):
+    """A JSON pointer ("/$defs/a") inside `root`, or None."""
+    value = root
+    for part in pointer.split("/")[1:] if pointer else []:
+        part = part.replace("~1", "/").replace("~0", "~")
+        if isinstance(value, dict) and part in value:
+            value = value[part]
+        elif isinstance(value, list) and part.isdigit() and int(part) < len(value):
+            value = value[int(part)]
+        else:
+            return None
+    return value
+
+
+def _probe(grammar: Grammar, walks: int | None = None, steps: int | None = None) -> str | None:
+    """Walk a new grammar a few tokens deep, as answers would (the lowest allowed token, then seeded random
+    ones), so that a lexer or parser that fails on the way fails here, before any work. The failure, or None."""
+    walks, steps = PROBE_WALKS if walks is None else walks, PROBE_STEPS if steps is None else steps
+    rng = random.Random(0)
+    eos = set(grammar.eos_token_ids)
+    for walk in range(walks):
+        m = grammar.matcher()
+        for _ in range(steps):
+            allowed = m.allowed()
+            if m.error is not None:
+                return f"fails after {m.num_consumed} tokens: {m.error}"
+            choices = [t for t in allowed if t not in eos]
+            if not choices:
+                if not allowed:
+                    return f"allows no token after {m.num_consumed} tokens"
+                break  # complete: only end-of-sequence is left
+            m.consume(choices[0] if walk == 0 else rng.choice(choices))
+    return None
+
+
 class Grammar:
     def __init__(self, source: str, vocabulary, eos_token_ids: tuple[int, ...]):
         self.source, self.vocabulary, self.eos_token_ids = source, vocabulary, eos_token_ids
 
     def matcher(self) -> GrammarMatcher:
-        return GrammarMatcher(_llguidance().LLMatcher(self.vocabulary, self.source, log_level=0), self.eos_token_ids)
+        limits = _llguidance().LLParserLimits(verbose_errors=False)  # its errors reach clients: no parser dumps
+        matcher = _llguidance().LLMatcher(self.vocabulary, self.source, log_level=0, limits=limits)
+        return GrammarMatcher(matcher, self.eos_token_ids)
 
 
 class GrammarMatcher:
-    """One sequence's place in its grammar. Once the grammar is complete only end-of-sequence is allowed."""
+    """One sequence's place in its grammar. Once the grammar is complete only end-of-sequence is allowed;
+    a grammar engine that fails (or allows nothing) raises GrammarFailed rather than end the answer."""
 
     def __init__(self, matcher, eos_token_ids: tuple[int, ...]):
         self._m, self.eos_token_ids = matcher, eos_token_ids
+        self.num_consumed = 0  # tokens consumed
 
     def fill(self, bitmask: torch.Tensor) -> None:
         """bitmask [W] int32 (W = ceil(V / 32)), contiguous: bit t of word t // 32 set = token t allowed."""
         self._m.unsafe_compute_mask_ptr(bitmask.data_ptr(), bitmask.numel() * 4)
-        if self._m.is_error() or not bool(bitmask.any()):  # nothing allowed: end the sequence rather than draw NaN
-            bitmask.zero_()
-            for t in self.eos_token_ids:
-                bitmask[t // 32] |= _bit(t % 32)
+        if self._m.is_error():
+            raise GrammarFailed(f"the structured output's grammar failed after {self.num_consumed} tokens: "
+                                f"{self.error}")  # fmt: skip
+        if not bool(bitmask.any()):
+            raise GrammarFailed(f"the structured output's grammar allows no token after {self.num_consumed} tokens")
+
+    def allowed(self) -> list[int]:
+        """The token ids allowed now (compile's probe; sampling uses `fill`)."""
+        mask = torch.frombuffer(bytearray(self._m.compute_bitmask()), dtype=torch.uint8)
+        bits = (mask.unsqueeze(-1) >> torch.arange(8, dtype=torch.uint8)) & 1  # [bytes, 8]: bit t % 8 of byte t // 8
+        return bits.flatten().nonzero().flatten().tolist()
+
+    @property
+    def error(self) -> str | None:
+        return _first_line(self._m.get_error()) if self._m.is_error() else None
 
     def consume(self, token_id: int) -> bool:
+        self.num_consumed += 1
         return bool(self._m.consume_token(token_id))
 
     @property
     def is_error(self) -> bool:
         return bool(self._m.is_error())
-
-
-def _bit(i: int) -> int:
-    return -(2**31) if i == 31 else 1 << i  # int32 words: bit 31 is the sign bit
 
 
 def apply_bitmasks(logits: torch.Tensor, rows: list[int], matchers: list[GrammarMatcher]) -> None:

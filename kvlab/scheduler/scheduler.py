@@ -10,6 +10,11 @@ the budget (`max_num_batched_tokens`) and `max_num_seqs` allow:
        blocks are freed and it goes back to the front of the queue, to be recomputed later;
     2. then waiting requests, first come first served, each starting after its prefix-cache hit.
 
+With several clients (`Request.client_id`: the server names one per HTTP request) seats and prompt
+tokens are shared between them (`fair.py`): a client below its share of the seats takes one from the
+client holding the most (preempted), admission goes to the client holding the fewest seats, and
+the prompt tokens of a step are split by max-min fairness. One client: exactly the order above.
+
 A chunk that reaches the end of its request's known tokens yields logits, and tokens are sampled.
 After the step, `update` takes the runner's StepResult: a request keeps the K/V of the positions
 that were accepted (all of them, unless a verifier rejected drafted ones, which are truncated away),
@@ -19,6 +24,7 @@ to the pool, and its new tokens are appended.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -27,6 +33,7 @@ from typing import TYPE_CHECKING
 
 from kvlab.kv.manager import BlockOp, KVCacheManager, PrefixHit
 from kvlab.request import Request, RequestStatus
+from kvlab.scheduler.fair import PrefillShares, admission_order, seat_victims
 
 if TYPE_CHECKING:  # no torch here: a Logprob is a plain dataclass, only named in annotations
     from kvlab.sampling.logprobs import Logprob
@@ -61,6 +68,8 @@ class SchedulerConfig:
     max_num_seqs: int = 32  # requests running at once
     max_num_batched_tokens: int = 512  # tokens through the model in one step
     recompute_every_step: bool = False  # no KV cache: forget a request's tokens after each sample
+    # share seats and prompt tokens between clients (Request.client_id; fair.py). False: first come, first served
+    fair_share: bool = True
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens"):
@@ -145,6 +154,13 @@ class Scheduler:
         self.num_steps += 1
         budget = self.config.max_num_batched_tokens
         scheduled: set[str] = set()
+        if self.config.fair_share:  # a waiting client below its share of the seats takes one (fair.py)
+            for victim in seat_victims(self.running, self.waiting, self.config.max_num_seqs):
+                self._preempt(victim)
+                out.preempted.append(victim)
+        admits = self._admission_order()
+        shares = None  # each client's prompt tokens this step, set at the first prompt chunk (fair.py)
+        short_of_blocks = False
         decodes_first = sorted(self.running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1)
         for req in decodes_first:
             if budget == 0:
@@ -152,6 +168,10 @@ class Scheduler:
             if req.status is not RequestStatus.RUNNING:  # preempted for an earlier request of this loop
                 continue
             n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if n > 1:  # a prompt chunk: within its client's share of the budget
+                shares = shares or self._prefill_shares(admits, budget)
+                if (n := shares.grant(req.client_id, n)) == 0:
+                    continue
             spec = self._spec_tokens(req, n, budget)
             ops = self.kv.allocate_slots(req, n + len(spec)) if spec else None
             if spec and ops is None:
@@ -161,6 +181,7 @@ class Scheduler:
                 victim = next(r for r in reversed(self.running) if r.request_id not in scheduled)
                 self._preempt(victim)
                 out.preempted.append(victim)
+                short_of_blocks = True
                 if victim is req:
                     break
             else:
@@ -170,19 +191,41 @@ class Scheduler:
                 scheduled.add(req.request_id)
                 budget -= n
 
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs and not out.preempted:
-            req = self.waiting[0]
+        shares = shares or self._prefill_shares(admits, budget)
+        for req in admits:  # waiting requests, as many as there are seats, in the order fair.py gives
+            if budget == 0 or short_of_blocks or len(self.running) >= self.config.max_num_seqs:
+                break
             hit = self.kv.find_prefix(req)
-            n = min(req.num_tokens - hit.num_tokens, budget)
+            n = shares.grant(req.client_id, min(req.num_tokens - hit.num_tokens, budget))
+            if n == 0:
+                continue  # its client's share of this step is spent
             ops = self.kv.allocate_slots(req, n, hit)
             if ops is None:
                 break  # wait for blocks; later requests wait behind it (first come, first served)
-            self.waiting.popleft()
+            self.waiting.remove(req)
             self._admit(req, hit.num_tokens)
             out.chunks.append(ScheduledChunk(req, req.num_computed_tokens, n, self.kv.block_tables[req.request_id]))
             out.block_ops.extend(ops)
             budget -= n
         return out
+
+    def _admission_order(self) -> list[Request]:
+        """The waiting requests the free seats go to this step, in order: the queue's front (one client,
+        or fair_share off), else the first of the client holding the fewest seats, in turn (fair.py)."""
+        seats = self.config.max_num_seqs - len(self.running)
+        if not self.config.fair_share:
+            return list(itertools.islice(self.waiting, max(seats, 0)))
+        return admission_order(self.waiting, self.running, seats)
+
+    def _prefill_shares(self, admits: list[Request], budget: int) -> PrefillShares:
+        """Split what is left of the step's budget between the clients with prompt tokens to compute."""
+        demands: dict = {}
+        if self.config.fair_share:
+            for r in itertools.chain(self.running, admits):
+                gap = r.num_tokens - r.num_computed_tokens
+                if gap > 1 or r.status is RequestStatus.WAITING:
+                    demands[r.client_id] = demands.get(r.client_id, 0) + gap
+        return PrefillShares(demands, budget)
 
     def _spec_tokens(self, req: Request, n: int, budget: int) -> list[int]:
         """The drafted tokens `req` verifies this step: only on a decode (its last token is all it has to

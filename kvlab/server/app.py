@@ -3,13 +3,16 @@
     POST /v1/completions, /v1/chat/completions   streaming (server-sent events, `data: [DONE]`) or not
     GET  /v1/models, /health, /metrics, /api/ps (what the server holds, for `kvlab ps`)
 
-A generation request goes: the guard (Host, Origin, Content-Type: `guard.py`) → the API key →
-admission (at most `max_concurrent_requests` in flight, 429 beyond) → the body, read on the event
-loop within its size limit → a worker thread parses the JSON, checks every field, renders the
-chat template and tokenizes (`prepare`), so that a 4 MB request never stalls /health → the
-engine thread. Every response of a generation carries an extra `kvlab` field: the request's timing
-split and kvlab's own finish reason. A client that goes away mid-request has its request aborted
-and its KV blocks freed.
+A generation request goes: its headers within a time limit (`wire.py`) → the guard (Host, Origin,
+Content-Type: `guard.py`) → the API key → the body, read on the event loop within its size and time
+limits (408 and the socket closed beyond) → admission (`admission.py`: at most
+`max_concurrent_requests` in flight, 429 beyond) → a worker thread parses the JSON, checks every
+field, renders the chat template and tokenizes (`prepare`), so that a 4 MB request never stalls
+/health → admission by cost (its sequences and tokens, 429 beyond) → the engine thread, whose
+scheduler shares seats and tokens fairly between HTTP requests (`scheduler/fair.py`). Every
+response of a generation carries an extra `kvlab` field: the request's timing split and kvlab's
+own finish reason. A client that goes away mid-request has its request aborted and its KV blocks
+freed.
 
 Prefix-cache isolation: each request reaches the engine with a cache salt made of its tenant (its
 API key, its `user` field or a header, per `cache_salt_by`) and its own `cache_salt`; requests
@@ -33,15 +36,18 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvlab.errors import KvlabError
+from kvlab.sampling import SamplingParams
+from kvlab.sampling.params import StructuredOutputs
 from kvlab.server import responses
 from kvlab.server.access_log import log_request
+from kvlab.server.admission import Admission, Cost
 from kvlab.server.async_engine import AsyncEngine, EngineDead
 from kvlab.server.body import parse_json, read_body
 from kvlab.server.generation import Generation
 from kvlab.server.guard import Guard, GuardConfig
 from kvlab.server.logprobs import TokenText
 from kvlab.server.metrics import CONTENT_TYPE, render
-from kvlab.server.protocol import APIError, Limits, ParsedRequest, parse_chat, parse_completion
+from kvlab.server.protocol import APIError, Limits, ParsedRequest, parse_chat, parse_completion, refuse_early
 from kvlab.server.streaming import EventStream
 from kvlab.server.tools import markers_are_tokens
 from kvlab.server.ps import ps_payload
@@ -50,6 +56,8 @@ from kvlab.server.web import add_web_routes
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_BODY_BYTES = 4 * 2**20
+DEFAULT_HEADER_TIMEOUT_S, DEFAULT_BODY_TIMEOUT_S, DEFAULT_KEEP_ALIVE_TIMEOUT_S = 10.0, 30.0, 5.0
+QUEUED_TOKENS_PER_POOL = 16  # default max_queued_tokens: this many KV pools' worth of tokens
 CACHE_SALT_BY = ("none", "api-key", "user", "header")
 
 
@@ -65,6 +73,11 @@ class ServerConfig:
     cache_salt_by: str = "api-key"  # the tenant a request's cache salt is made of: see CACHE_SALT_BY
     tenant_header: str = "X-Tenant-Id"  # with cache_salt_by="header"
     max_concurrent_requests: int = 128  # in flight (tokenizing, waiting, running, streaming); 429 beyond
+    max_queued_seqs: int = 512  # sequences in flight (prompts × max(n, best_of) per request); 429 beyond
+    max_queued_tokens: int | None = None  # prompt + choices × max_tokens in flight; None: 16 × the KV pool's tokens
+    header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S  # a request's headers must arrive within it (wire.py); 408
+    body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S  # its body within this after its headers; 408
+    keep_alive_timeout_s: float = DEFAULT_KEEP_ALIVE_TIMEOUT_S  # an idle kept-alive connection closes after it
     max_messages: int = 1024
     max_prompt_chars: int | None = None  # None: max_model_len × the vocabulary's longest token (cannot fit more)
     tokenizer_threads: int = 2
@@ -74,32 +87,12 @@ class ServerConfig:
             raise KvlabError(f"cache_salt_by must be one of {', '.join(CACHE_SALT_BY)}, got {self.cache_salt_by!r}")
 
 
-class _Admission:
-    """Requests in flight, counted on the event loop (one thread: no lock)."""
-
-    def __init__(self, limit: int):
-        self.limit, self.count = limit, 0
-
-    def enter(self):
-        if self.count >= self.limit:
-            raise APIError(429, f"the server has {self.limit} requests in flight, its limit: retry later",
-                           type="server_error", code="server_overloaded", headers={"Retry-After": "1"})  # fmt: skip
-        self.count += 1
-        released = False
-
-        def release() -> None:
-            nonlocal released
-            if not released:
-                released, self.count = True, self.count - 1
-
-        return release
-
-
 def create_app(llm, engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     """`llm` tokenizes (kvlab.llm.LLM; its engine is driven only by `engine`'s thread from now on)."""
     limits = Limits(llm.engine.max_model_len, config.max_prompt_chars or _prompt_chars_bound(llm), config.max_messages)
     workers = ThreadPoolExecutor(config.tokenizer_threads, thread_name_prefix="kvlab-tokenize")
-    admission = _Admission(config.max_concurrent_requests)
+    admission = Admission(config.max_concurrent_requests, config.max_queued_seqs,
+                          config.max_queued_tokens or QUEUED_TOKENS_PER_POOL * llm.engine.kv.num_tokens_capacity)
     token_text = TokenText(llm.tokenizer)  # each token's text and bytes, for log-probabilities
     marker_tokens = markers_are_tokens(llm.tokenizer)  # how a forced tool call's grammar names <tool_call>
 
@@ -189,10 +182,14 @@ def create_app(llm, engine: AsyncEngine, config: ServerConfig) -> FastAPI:
 
     async def _generate(request: Request, kind: str, key: str | None):
         started = time.perf_counter()
-        release = admission.enter()
+        if not engine.is_serving:  # draining (or dead): answer at once, whatever the body
+            raise APIError(503, "the server is shutting down" if engine.is_alive else "the engine has stopped",
+                           type="server_error", code="engine_stopped", headers={"Connection": "close"})  # fmt: skip
+        raw = await read_body(request, config.max_body_bytes, config.body_timeout_s)  # 408 when too slow
+        release = admission.enter()  # only requests whose body has arrived hold a slot
         try:
-            raw = await read_body(request, config.max_body_bytes)
             parsed = await asyncio.get_running_loop().run_in_executor(workers, _prepare, kind, raw)
+            release.charge(Cost.of(parsed))  # its sequences and tokens
             salt = _cache_salt(config, key, request.headers.get(config.tenant_header), parsed)
             run = Generation.submit(engine, parsed, salt)  # one engine request per prompt
         except EngineDead as e:
@@ -204,7 +201,10 @@ def create_app(llm, engine: AsyncEngine, config: ServerConfig) -> FastAPI:
         output = run.outputs[0]
         if parsed.stream:
             stream = EventStream(parsed, config.model_name, run.outputs, token_text)
-            events = run.events(stream, release, lambda: log_request(request, 200, started, output, True))
+            def log(status: int, note: str | None) -> None:  # the access line, once the stream has ended
+                log_request(request, status, started, output if note is None else None, True, note)
+
+            events = run.events(stream, release, log)
             return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         try:
             outputs = await run.final_or_disconnect(request)
@@ -212,6 +212,15 @@ def create_app(llm, engine: AsyncEngine, config: ServerConfig) -> FastAPI:
             release()
         log_request(request, 200, started, output)
         return JSONResponse(responses.response(parsed, config.model_name, outputs, token_text))
+
+    def _encode(text: str) -> list[int]:  # a prompt a prefix proves too long is refused before the rest is tokenized
+        refuse_early(llm.tokenizer, text, limits, "prompt")
+        return llm.encode(text)
+
+    def _encode_chat(messages: list[dict], tools: list[dict] | None) -> list[int]:
+        extra = {"tools": tools} if tools else {}
+        refuse_early(llm.tokenizer, llm.tokenizer.apply_chat_template(messages, **extra), limits, "messages")
+        return llm.encode_chat(messages, tools=tools)
 
     def _prepare(kind: str, raw: bytes) -> ParsedRequest:
         """In a worker thread: JSON, every field, the chat template, tokenization, the context and
@@ -221,11 +230,10 @@ def create_app(llm, engine: AsyncEngine, config: ServerConfig) -> FastAPI:
         param = "messages" if kind == "chat" else "prompt"
         try:
             if kind == "completion":
-                parsed = parse_completion(body, llm.encode, limits)
+                parsed = parse_completion(body, _encode, limits)
             else:
                 template = llm.tokenizer.chat_template if llm.tokenizer is not None else None
-                parsed = parse_chat(body, lambda m, tools: llm.encode_chat(m, tools=tools), limits, template,
-                                    config.model_name, marker_tokens)  # fmt: skip
+                parsed = parse_chat(body, _encode_chat, limits, template, config.model_name, marker_tokens)
         except KvlabError as e:  # tokenizer or template problems with the user's input
             raise APIError(400, str(e), param=param) from None
         for prompt in parsed.prompts:
@@ -239,6 +247,11 @@ def create_app(llm, engine: AsyncEngine, config: ServerConfig) -> FastAPI:
         except KvlabError as e:
             field = next((f for f in ("logit_bias", "num_speculative_tokens") if f in str(e)), parsed.constraint_param)
             raise APIError(400, str(e), param=field) from None
+        for i, schema in enumerate(parsed.tool_schemas):  # under every tool_choice, not only a forced call's
+            try:
+                llm.engine.check_params(SamplingParams(structured_outputs=StructuredOutputs(json=schema)))
+            except KvlabError as e:
+                raise APIError(400, f"tools[{i}].function.parameters: {e}", param="tools") from None
         return parsed
 
     return app

@@ -75,11 +75,14 @@ class AsyncEngine:
     # ---- called from the event loop ------------------------------------------------------------------
 
     def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-               output: RequestOutput, cache_salt: str | None = None) -> asyncio.Queue:  # fmt: skip
+               output: RequestOutput, cache_salt: str | None = None,
+               client_id: str | None = None) -> asyncio.Queue:  # fmt: skip
+        """Queue a request for the engine thread. `client_id`: the scheduler shares seats and prompt tokens fairly
+        between clients (scheduler/fair.py); the server names one per HTTP request."""
         if not self.is_serving:
             raise EngineDead("the engine has stopped" if not self.is_alive else "the server is shutting down")
         listener = _Listener(asyncio.get_running_loop(), asyncio.Queue())
-        self._inbox.put(("add", request_id, prompt_token_ids, params, output, cache_salt, listener))
+        self._inbox.put(("add", request_id, prompt_token_ids, params, output, cache_salt, client_id, listener))
         return listener.queue
 
     def abort(self, request_id: str) -> None:
@@ -143,10 +146,11 @@ class AsyncEngine:
             if command[0] == "stop":
                 return False
             if command[0] == "add":
-                _, rid, ids, params, output, cache_salt, listener = command
+                _, rid, ids, params, output, cache_salt, client_id, listener = command
                 self._listeners[rid] = listener
                 try:
-                    self.engine.add_request(ids, params, request_id=rid, output=output, cache_salt=cache_salt)
+                    self.engine.add_request(ids, params, request_id=rid, output=output, cache_salt=cache_salt,
+                                            client_id=client_id)  # fmt: skip
                 except Exception as e:  # checked before submit; anything left is reported to the request
                     self._deliver_error(rid, e)
             elif command[0] == "abort":

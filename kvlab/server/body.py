@@ -3,6 +3,7 @@
 Every way a body can be bad becomes an `APIError` in OpenAI's shape, never a 500:
 
     over --max-body-bytes                        413 request_too_large   (before it is all read)
+    not all there within --body-timeout          408 request_timeout     (and the connection closes)
     not JSON, not UTF-8, NaN / Infinity literals 400 invalid_json
     nested deeper than MAX_JSON_DEPTH            400 invalid_json        (100,000 levels: no RecursionError)
     a string with a lone surrogate ("\\ud800")    400 invalid_unicode     (it could not be tokenized)
@@ -13,6 +14,7 @@ Every way a body can be bad becomes an `APIError` in OpenAI's shape, never a 500
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 from kvlab.server.protocol import APIError
@@ -20,17 +22,26 @@ from kvlab.server.protocol import APIError
 MAX_JSON_DEPTH = 64  # OpenAI bodies nest a few levels (messages → content parts → text)
 
 
-async def read_body(request, limit: int) -> bytes:
+async def read_body(request, limit: int, timeout_s: float | None = None) -> bytes:
+    """The whole body, at most `limit` bytes, all arrived within `timeout_s` (None: no limit).
+
+    A body that is late gets 408 with `Connection: close`: the rest of it, if it ever comes, is not
+    read, and the connection is not reused."""
     declared = request.headers.get("content-length")
     too_large = APIError(413, f"request body larger than {limit} bytes", code="request_too_large")
     if declared and declared.isdigit() and int(declared) > limit:
         raise too_large
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise too_large
-        chunks.append(chunk)
+    try:
+        async with asyncio.timeout(timeout_s):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise too_large
+                chunks.append(chunk)
+    except TimeoutError:
+        raise APIError(408, f"the request body did not arrive within {timeout_s:g} s ({size:,} bytes came)",
+                       code="request_timeout", headers={"Connection": "close"}) from None  # fmt: skip
     return b"".join(chunks)
 
 

@@ -14,18 +14,26 @@ import os
 import signal
 import socket
 import sys
+import time
 
 from kvlab.errors import KvlabError
 
 
 def register(subparsers) -> None:
-    p = subparsers.add_parser("serve", help="OpenAI-compatible server: continuous batching, paged KV, prefix cache")
+    p = subparsers.add_parser(
+        "serve", help="OpenAI-compatible server: continuous batching, paged KV, prefix cache",
+        description="Serve MODEL over HTTP with OpenAI's API (/v1/completions, /v1/chat/completions, /v1/models), "
+                    "ollama's /api/ps and Prometheus /metrics, and a chat page at /. The port is bound first; then "
+                    "it prints its memory plan (weights, the KV pool in blocks and tokens), loads the model, and "
+                    "serves until Ctrl-C or SIGTERM. A registry model that is not pulled yet is pulled first.",
+    )  # fmt: skip
     p.add_argument("model", help="registry name (see `kvlab list`), .gguf file, or Hugging Face directory")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free port)")
     p.add_argument("--served-model-name", help="the model name clients send (default: MODEL as given)")
     p.add_argument("--max-body-bytes", type=int, default=None, help="largest request body accepted (default 4 MiB)")
-    p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"],
+                   help="uvicorn's log level; a line per request is shown unless it is error or critical")
     g = p.add_argument_group("access")
     g.add_argument("--api-key", action="append", default=[],
                    help="require 'Authorization: Bearer KEY' on /v1 and /metrics; repeat or comma-separate for "
@@ -44,6 +52,19 @@ def register(subparsers) -> None:
     g.add_argument("--tenant-header", default="X-Tenant-Id", help="the header naming the tenant (--cache-salt-by header)")
     g.add_argument("--max-concurrent-requests", type=int, default=128,
                    help="requests in flight (queued, running, streaming) before new ones get 429 (default 128)")  # fmt: skip
+    g.add_argument("--max-queued-seqs", type=int, default=512,
+                   help="sequences in flight (each request counts prompts × max(n, best_of)) before new requests "
+                        "get 429 (default 512)")  # fmt: skip
+    g.add_argument("--max-queued-tokens", type=int, default=None,
+                   help="tokens in flight (each prompt's tokens + choices × max_tokens) before new requests get 429 "
+                        "(default: 16 × the KV pool's tokens)")  # fmt: skip
+    g.add_argument("--header-timeout", type=float, default=10.0,
+                   help="seconds a connection has to send a request's headers, else 408 and it closes (default 10)")
+    g.add_argument("--body-timeout", type=float, default=30.0,
+                   help="seconds a request's body has to arrive after its headers, else 408 and the connection "
+                        "closes (default 30)")  # fmt: skip
+    g.add_argument("--keep-alive-timeout", type=float, default=5.0,
+                   help="seconds an idle kept-alive connection stays open (default 5)")
     g.add_argument("--max-messages", type=int, default=1024, help="messages in one chat request (default 1024)")
     g.add_argument("--max-prompt-chars", type=int, default=None,
                    help="characters in one prompt (default: the context × the longest token, more cannot fit)")  # fmt: skip
@@ -62,10 +83,14 @@ def cmd_serve(args) -> int:
         raise KvlabError(f"--port must be in 0..65535, got {args.port}")
     if args.no_cache:
         raise KvlabError("kvlab serve always keeps a KV cache: drop --no-cache")
-    for flag in ("max_concurrent_requests", "max_messages", "max_prompt_chars", "max_body_bytes"):
+    for flag in ("max_concurrent_requests", "max_messages", "max_prompt_chars", "max_body_bytes", "max_queued_seqs",
+                 "max_queued_tokens"):  # fmt: skip
         value = getattr(args, flag)
         if value is not None and value < 1:
             raise KvlabError(f"--{flag.replace('_', '-')} must be at least 1, got {value}")
+    for flag in ("header_timeout", "body_timeout", "keep_alive_timeout"):
+        if not getattr(args, flag) > 0:
+            raise KvlabError(f"--{flag.replace('_', '-')} must be more than 0 seconds, got {getattr(args, flag)}")
     check_model_args(args)
     _check_web_stack()
     from kvlab.parallel.group import launch_rank
@@ -82,6 +107,11 @@ def cmd_serve(args) -> int:
         cache_salt_by=args.cache_salt_by,
         tenant_header=args.tenant_header,
         max_concurrent_requests=args.max_concurrent_requests,
+        max_queued_seqs=args.max_queued_seqs,
+        max_queued_tokens=args.max_queued_tokens,
+        header_timeout_s=args.header_timeout,
+        body_timeout_s=args.body_timeout,
+        keep_alive_timeout_s=args.keep_alive_timeout,
         max_messages=args.max_messages,
         max_prompt_chars=args.max_prompt_chars,
     )
@@ -156,18 +186,18 @@ SHUTDOWN_GRACE_S = 10.0  # after Ctrl-C, running requests get this long to finis
 
 def run_server(llm, config, sock: socket.socket, log_level: str = "warning", driver=None) -> int:
     """Serve until stopped. `driver`: what the engine thread steps instead of `llm.engine` (an SpmdEngine)."""
-    import uvicorn
-
     from kvlab.server import access_log
     from kvlab.server.app import create_app
     from kvlab.server.async_engine import AsyncEngine
+    from kvlab.server.wire import uvicorn_config
 
     access_log.configure(log_level)  # one line per request, as vLLM and llama.cpp print
     host, port = sock.getsockname()[:2]
     engine = AsyncEngine(driver or llm.engine)
     app = create_app(llm, engine, config)
     auth = "Bearer key required on /v1 and /metrics" if config.api_keys else "no API key"
-    uv_config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=SHUTDOWN_GRACE_S + 5)
+    uv_config = uvicorn_config(app, config.header_timeout_s, config.keep_alive_timeout_s, log_level=log_level,
+                               timeout_graceful_shutdown=SHUTDOWN_GRACE_S + 5)  # fmt: skip
     server = graceful_server(uv_config, engine)
     engine.on_death = lambda error: setattr(server, "should_exit", True)  # exit: a supervisor restarts us
     shown = f"[{host}]" if ":" in host else host
@@ -195,10 +225,12 @@ def _stop_ranks(driver) -> None:
 
 
 def graceful_server(config, engine):
-    """uvicorn's server, with SIGINT (Ctrl-C) and SIGTERM in three stages: stop accepting and let
-    running requests finish (up to SHUTDOWN_GRACE_S), then abort them (their streams end with
-    `data: [DONE]`); a second signal aborts at once, a third exits without waiting. The signal is
-    not re-raised afterwards (uvicorn does that): the process prints "stopped" and exits 0."""
+    """uvicorn's server, with SIGINT (Ctrl-C) and SIGTERM in three stages: drain — let running
+    requests finish (up to SHUTDOWN_GRACE_S), then abort them (their streams end with `data: [DONE]`),
+    while new requests, on new connections too, are answered 503 and /health says 503 (the socket
+    stays open until nothing runs: a client is told, not refused); a second signal aborts at once, a
+    third exits without waiting. The signal is not re-raised afterwards (uvicorn does that): the
+    process prints "stopped" and exits 0."""
     import threading
 
     import uvicorn
@@ -217,12 +249,19 @@ def graceful_server(config, engine):
                 timer.daemon = True
                 timer.start()
                 engine.draining = True  # /health: 503 "shutting down"; new requests: 503
-                self.should_exit = True
+                threading.Thread(target=self._exit_when_idle, name="kvlab-drain", daemon=True).start()
             elif self.signals == 2:
                 print("kvlab serve: aborting running requests", file=sys.stderr, flush=True)
                 engine.abort_all()
             else:
-                self.force_exit = True
+                self.force_exit = self.should_exit = True
+
+        def _exit_when_idle(self) -> None:
+            """Stop serving once no request is in the engine (the grace's abort empties it at the latest)."""
+            end = time.monotonic() + SHUTDOWN_GRACE_S + 5
+            while engine.num_in_flight() and time.monotonic() < end and engine.is_alive:
+                time.sleep(0.05)
+            self.should_exit = True
 
     return Server(config)
 

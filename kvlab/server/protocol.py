@@ -22,17 +22,17 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kvlab.errors import KvlabError
 from kvlab.sampling import SamplingParams
-from kvlab.sampling.params import INT64_MAX, INT64_MIN, MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_N, StructuredOutputs
+from kvlab.sampling.params import INT64_MAX, MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_N, MAX_SEED, StructuredOutputs
 from kvlab.server import constraints
 from kvlab.server.errors import APIError, invalid
-from kvlab.server.tools import ToolSpec, assistant_tool_calls, template_has_tools, tool_spec
+from kvlab.server.tools import ToolSpec, assistant_tool_calls, parameter_schemas, template_has_tools, tool_spec
 
-__all__ = ["APIError", "Limits", "ParsedRequest", "Prompt", "invalid", "parse_chat", "parse_completion"]
+__all__ = ["APIError", "Limits", "ParsedRequest", "Prompt", "invalid", "parse_chat", "parse_completion", "refuse_early"]
 
 
 @dataclass
@@ -55,6 +55,7 @@ class ParsedRequest:
     user: str | None = None
     echo: bool = False  # completions: the prompt's text (and log-probabilities) before each choice's
     tools: ToolSpec | None = None  # chat: the answer's tool calls are parsed (tools.py)
+    tool_schemas: list[dict] = field(default_factory=list)  # every tool's parameters, compiled under any tool_choice
     constraint_param: str | None = None  # the field a structured output came from (its compile error names it)
 
     @property
@@ -185,7 +186,7 @@ def sampling_params(body: dict, default_max_tokens: int, kind: str = "completion
             presence_penalty=_number(body, "presence_penalty", 0.0, -2, 2),
             frequency_penalty=_number(body, "frequency_penalty", 0.0, -2, 2),
             logit_bias=_logit_bias(body),
-            seed=_number(body, "seed", None, INT64_MIN, INT64_MAX, integer=True),
+            seed=_number(body, "seed", None, 0, MAX_SEED, integer=True),  # the generator keeps 32 bits
             stop=_stop(body),
             ignore_eos=ignore_eos,
             n=n,
@@ -209,7 +210,7 @@ def _logit_bias(body: dict) -> dict[int, float] | None:
         raise invalid(f"'logit_bias' must map at most {MAX_LOGIT_BIAS_ENTRIES} token ids to biases", "logit_bias")
     out = {}
     for key, value in bias.items():
-        if not (isinstance(key, str) and key.isdigit() and len(key) <= 12):
+        if not (isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 12):  # "²".isdigit() too
             raise invalid(f"'logit_bias' keys must be token ids, got {_show(key)}", "logit_bias")
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
             raise invalid(f"'logit_bias' values must be numbers in [-100, 100], got {_show(value)}", "logit_bias")
@@ -267,6 +268,16 @@ def _new(kind: str, body: dict, default_max_tokens: int) -> ParsedRequest:
                          constraint_param=constraints.structured_outputs(body)[1])  # fmt: skip
 
 
+def refuse_early(tokenizer, text: str, limits: Limits, param: str) -> None:
+    """A 400 for a text whose prefix already holds more tokens than the context, before the rest is
+    tokenized (Tokenizer.prefix_beyond): a prompt that cannot fit costs a prefix's tokenization, not its own."""
+    proof = tokenizer.prefix_beyond(text, limits.max_model_len) if tokenizer is not None else None
+    if proof is not None:
+        tokens, chars = proof
+        raise invalid(f"the prompt's first {chars:,} characters are already {tokens:,} tokens, more than the context "
+                      f"of {limits.max_model_len:,} tokens: shorten it", param, "context_length_exceeded")  # fmt: skip
+
+
 def _check_chars(n: int, limits: Limits, param: str) -> None:
     if limits.max_prompt_chars is not None and n > limits.max_prompt_chars:
         raise invalid(f"the prompt has {n:,} characters, more than the {limits.max_prompt_chars:,} that could fit the "
@@ -321,7 +332,7 @@ def parse_chat(body: dict, encode_chat: Callable[..., list[int]], limits: Limits
                       "messages")  # fmt: skip
     _check_chars(sum(len(m["content"]) for m in clean), limits, "messages")
     parsed = _new("chat", body, 1)
-    parsed.tools = tools
+    parsed.tools, parsed.tool_schemas = tools, parameter_schemas(body)
     if tools is not None:
         tools.marker_tokens = marker_tokens
     if tools is not None and tools.grammar() is not None:
@@ -351,6 +362,8 @@ def _message(i: int, m: Any) -> dict:
             raise invalid(f"{where}.{key} is not supported by kvlab", "messages", "unsupported_value")
     if m.get("tool_call_id") is not None and (role != "tool" or not isinstance(m["tool_call_id"], str)):
         raise invalid(f"{where}.tool_call_id belongs to a 'tool' message, as a string", "messages")
+    if role == "tool" and not m.get("tool_call_id"):
+        raise invalid(f"{where} is a tool result without 'tool_call_id': name the call it answers", "messages")
     calls = m.get("tool_calls")
     if calls is not None and calls != [] and role != "assistant":
         raise invalid(f"{where}.tool_calls belongs to an 'assistant' message", "messages")

@@ -34,7 +34,7 @@ def ps_payload(llm, model_name: str, started: float) -> dict[str, Any]:
             "quantization_level": loaded.weight_format,
         },
         "kvlab": {
-            "path": str(loaded.path),
+            "file": loaded.path.name,  # never the absolute path: a client learns nothing of the server's disk
             "device": str(device),
             "dtype": str(loaded.model.dtype).removeprefix("torch."),
             "threads": llm.policy.threads,

@@ -47,9 +47,14 @@ def usage(outputs: RequestOutput | list[RequestOutput]) -> dict:
     outputs = [outputs] if isinstance(outputs, RequestOutput) else outputs
     prompt = sum(len(o.prompt_token_ids) for o in outputs)
     completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
-    cached = sum(o.metrics.cached_prompt_tokens for o in outputs)
+    cached = sum(_cached(o) for o in outputs)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": cached}}  # fmt: skip
+
+
+def _cached(output: RequestOutput) -> int:
+    """The prompt's prefix-cache hit (a forked choice's own figure is the whole prompt, shared from it)."""
+    return output.metrics.cached_prompt_tokens if output.cached_prompt_tokens is None else output.cached_prompt_tokens
 
 
 def _head(req: ParsedRequest, model: str, obj: str) -> dict:

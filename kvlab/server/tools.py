@@ -92,6 +92,12 @@ def tool_spec(body: dict, template: str | None, model: str) -> ToolSpec | None:
     return ToolSpec(checked, kind, name, parallel)
 
 
+def parameter_schemas(body: dict) -> list[dict]:
+    """Every tool's parameters schema, under any tool_choice (call after tool_spec has checked `tools`): the
+    server compiles each, so a schema the grammar engine cannot read is a 400 whether or not a call is forced."""
+    return [t["function"].get("parameters") or {"type": "object"} for t in body.get("tools") or []]
+
+
 def _tools(tools: Any) -> list[dict]:
     if not isinstance(tools, list) or len(tools) > MAX_TOOLS:
         raise invalid(f"'tools' must be a list of at most {MAX_TOOLS} tools", "tools")
@@ -154,7 +160,10 @@ def assistant_tool_calls(where: str, calls: Any) -> list[dict]:
         try:
             arguments = json.loads(f.get("arguments") or "{}")
         except ValueError:
-            arguments = f.get("arguments")
+            arguments = None
+        if not isinstance(arguments, dict):  # the template would show the model a call no parser gives back
+            raise invalid(f"{where}.tool_calls[{j}].function.arguments must be the JSON text of an object, got "
+                          f"{f['arguments']!r:.80}", "messages")  # fmt: skip
         out.append({"id": c.get("id"), "type": "function", "function": {"name": f["name"], "arguments": arguments}})
     return out
 

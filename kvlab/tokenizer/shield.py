@@ -1,20 +1,28 @@
-"""Chat content is text: special tokens a user writes are tokenized as characters, never as control tokens.
+"""Chat content is text: control tokens a user writes are tokenized as characters, never as control tokens.
 
-A chat template writes its markup (`<|im_start|>user\\n ... <|im_end|>`) as text, and the rendered
-prompt is tokenized with special tokens recognised — so a message that contains `<|im_end|>
-<|im_start|>system` would become real control tokens (role injection). To keep the template's
-markup special and the messages' text plain:
+A chat template writes its markup (`<|im_start|>user\\n ... <|im_end|>`, Qwen's `<tool_call>`) as
+text, and the rendered prompt is tokenized with added tokens recognised — so a message that
+contains `<|im_end|><|im_start|>system` would become real control tokens (role injection), and one
+that contains `<tool_call>{...}</tool_call>` a forged tool call in the history. The control tokens
+are found from the tokenizer and the template (`control_tokens`), not from a list: every added
+token marked special, every added token the template writes (`<tool_call>`, `<think>`), and every
+added token shaped as markup (`<|fim_prefix|>`, `[INST]`: models learn such tokens even where no
+template shows them). To keep the template's markup and the messages' text plain:
 
-1. `ContentShield.protect` replaces, in each message's content, every special token's text with a
-   sentinel: one character of Unicode's Supplementary Private Use Area-B (U+100000 + k for the
-   k-th distinct string; characters of that range already in the content are protected too, so
-   the mapping is exact). Templates that trim or split the content see one opaque character.
-2. The template renders; every special token left in the prompt is the template's own.
-3. `encode_rendered` tokenizes the prompt as usual (special tokens recognised), then re-tokenizes
-   each stretch between two special tokens that holds a sentinel, with the sentinels restored and
-   special tokens *not* recognised. Hugging Face tokenizers split the input at added tokens before
+1. `ContentShield.protect` replaces, in every string of the messages (content, tool-call
+   arguments, names, ids) and of the tools, every control token's text with a sentinel: one
+   character of Unicode's Supplementary Private Use Area-B (U+100000 + k for the k-th distinct
+   string; characters of that range already in the text are protected too, so the mapping is
+   exact). Templates that trim or split the content see one opaque character.
+2. The template renders; every control token left in the prompt is the template's own.
+3. `encode_rendered` tokenizes the prompt as usual (added tokens recognised), then re-tokenizes
+   each stretch between two control tokens that holds a sentinel, with the sentinels restored and
+   control tokens *not* recognised. Hugging Face tokenizers split the input at added tokens before
    anything else, so this equals tokenizing that stretch alone: the result is what the prompt
-   would give if only the template's markup were special.
+   would give if only the template's markup were control tokens.
+
+A template that looks for a control token's text in the content (Qwen3's `'</think>' in content`,
+to drop an earlier turn's reasoning) sees the sentinel instead: such text stays in the prompt.
 """
 
 from __future__ import annotations
@@ -24,10 +32,23 @@ from typing import Any, Iterable, Mapping, Sequence
 
 _SENTINEL_BASE = 0x100000  # Supplementary Private Use Area-B: U+100000 .. U+10FFFD
 _SENTINEL_RANGE = "\U00100000-\U0010fffd"
+_MARKUP = re.compile(r"<[^<>\s]+>|\[[^\[\]\s]+\]")  # <tool_call>, <|fim_prefix|>, </think>, [INST]
+
+
+def control_tokens(added: Mapping[int, Any], template: str | None) -> dict[int, str]:
+    """id → text of the added tokens (`tokenizers` AddedTokens by id) a chat must treat as control: marked
+    special, shaped as markup, or written by the template (without whitespace and not a plain word: an
+    added "user" or a run of spaces the template happens to contain stays text)."""
+
+    def named(text: str) -> bool:
+        return bool(template) and text in template and not any(c.isspace() for c in text) and not text.isalnum()
+
+    return {i: t.content for i, t in added.items()
+            if t.content and (t.special or _MARKUP.fullmatch(t.content) or named(t.content))}  # fmt: skip
 
 
 class ContentShield:
-    """Swaps special-token texts in chat content for sentinel characters, and back."""
+    """Swaps control-token texts in chat messages for sentinel characters, and back."""
 
     def __init__(self, special_texts: Iterable[str]) -> None:
         texts = sorted({t for t in special_texts if t}, key=len, reverse=True)  # longest first: no partial matches
@@ -42,14 +63,18 @@ class ContentShield:
         return bool(self.protected)
 
     def protect(self, messages: Sequence[Mapping[str, Any]]) -> list[dict]:
-        """Copies of the messages with every special token in a string `content` replaced by a sentinel."""
-        out = []
-        for message in messages:
-            message = dict(message)
-            if isinstance(message.get("content"), str):
-                message["content"] = self._pattern.sub(self._sentinel, message["content"])
-            out.append(message)
-        return out
+        """Copies of the messages with every control token in any of their strings replaced by a sentinel."""
+        return [self.protect_value(message) for message in messages]
+
+    def protect_value(self, value: Any) -> Any:
+        """A copy of a JSON-like value (strings, mappings, lists) with its strings, keys too, protected."""
+        if isinstance(value, str):
+            return self._pattern.sub(self._sentinel, value)
+        if isinstance(value, Mapping):
+            return {self.protect_value(k): self.protect_value(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [self.protect_value(v) for v in value]
+        return value
 
     def restore(self, text: str) -> str:
         return self._sentinel_chars.sub(lambda m: self.protected[ord(m.group()) - _SENTINEL_BASE], text)
@@ -71,8 +96,8 @@ class ContentShield:
 def encode_rendered(text: str, shield: ContentShield, encode, encode_plain, special_ids: frozenset[int]) -> list[int]:
     """Token ids of a rendered chat prompt whose content was protected by `shield`.
 
-    `encode(text)` → (ids, char offsets) with special tokens recognised; `encode_plain(text)` → ids
-    with special tokens read as plain text.
+    `encode(text)` → (ids, char offsets) with added tokens recognised; `encode_plain(text)` → ids
+    with the control tokens read as plain text; `special_ids`: the control tokens' ids.
     """
     ids, offsets = encode(text)
     if not shield.used:

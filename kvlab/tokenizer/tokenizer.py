@@ -14,7 +14,7 @@ from kvlab.gguf_file import GGUFFile
 from kvlab.tokenizer.chat_template import compile_chat_template, render_chat_template
 from kvlab.tokenizer.gguf_bpe import build_byte_level_bpe, gguf_add_bos_eos, gguf_special_ids
 from kvlab.tokenizer.gguf_spm import GEMMA_ARCHS, build_gemma_bpe
-from kvlab.tokenizer.shield import ContentShield, encode_rendered
+from kvlab.tokenizer.shield import ContentShield, control_tokens, encode_rendered
 
 # Special tokens that end a turn or a document: generation stops on them as well as on the eos token.
 _END_OF_TURN_TOKENS = (
@@ -27,6 +27,11 @@ _END_OF_TURN_TOKENS = (
     "<|end|>",
     "</s>",
 )
+
+
+# Refusing a prompt too long for the context without tokenizing all of it (Tokenizer.prefix_beyond):
+PREFIX_CHARS_PER_TOKEN = (2, 8)  # prefixes tried, in characters per token of the limit: CJK text, then English
+PREFIX_MARGIN = 64  # tokens: the cut may change the tokens around it, never more
 
 
 class Tokenizer:
@@ -55,8 +60,8 @@ class Tokenizer:
         self.chat_template = chat_template
         specials = {i: t.content for i, t in backend.get_added_tokens_decoder().items() if getattr(t, "special", False)}
         self._special_ids = frozenset(specials)
-        self._special_texts = tuple(specials.values())
-        self._plain: FastTokenizer | None = None  # a copy that reads special tokens as text (chat content)
+        self._plain: FastTokenizer | None = None  # a copy that reads control tokens as text (chat content)
+        self._control: tuple[str | None, dict[int, str]] | None = None  # (template, control_tokens) of the last chat
         self.eos_token_ids = self._stop_ids(eos_token_ids)
         # BOS/EOS that `encode(add_special_tokens=True)` adds itself (tokenizer.json post-processors add their own).
         self._prepend_bos = prepend_bos and bos_token_id is not None
@@ -169,6 +174,23 @@ class Tokenizer:
             ids.append(self.eos_token_ids[0])
         return ids
 
+    def prefix_beyond(self, text: str, num_tokens: int) -> tuple[int, int] | None:
+        """(tokens, characters) of a prefix of `text` that already holds more than `num_tokens` tokens (plus
+        PREFIX_MARGIN), found without tokenizing all of a long text; None when no prefix proves it (the
+        text is short enough to tokenize whole, or has more characters per token than PREFIX_CHARS_PER_TOKEN).
+
+        The cut changes only the tokens around it (BPE merges within a word settle left to right), so the
+        whole text has at least the prefix's count less the margin. Cheap where it matters: 660K CJK
+        characters against a 32K context are refused after tokenizing 66K of them."""
+        for chars_per_token in PREFIX_CHARS_PER_TOKEN:
+            num_chars = chars_per_token * (num_tokens + PREFIX_MARGIN)
+            if len(text) <= num_chars:
+                return None
+            count = len(self._tok.encode_batch([text[:num_chars]], add_special_tokens=False)[0].ids)
+            if count > num_tokens + PREFIX_MARGIN:
+                return count, num_chars
+        return None
+
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         """The text for `ids`; bytes that do not form a complete character come out as U+FFFD."""
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
@@ -234,20 +256,36 @@ class Tokenizer:
     def encode_chat(
         self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True, **extra: Any
     ) -> list[int]:
-        """Token ids of a conversation: the template's markup may hold special tokens, the messages'
-        content never does — `<|im_end|>` written by a user is tokenized as those ten characters."""
-        shield = ContentShield(self._special_texts)
+        """Token ids of a conversation: the template's markup may hold control tokens, the messages (and
+        the tools) never do — `<|im_end|>` or `<tool_call>` written by a user is tokenized as characters
+        (shield.py: which added tokens are control)."""
+        control = self.control_tokens()
+        shield = ContentShield(control.values())
+        if extra.get("tools") is not None:
+            extra = {**extra, "tools": shield.protect_value(extra["tools"])}
         text = self.apply_chat_template(shield.protect(messages), add_generation_prompt, **extra)
 
         def encode(t: str):
             e = self._tok.encode_batch([t], add_special_tokens=False)[0]
             return e.ids, e.offsets
 
-        return encode_rendered(text, shield, encode, self._encode_plain, self._special_ids)
+        return encode_rendered(text, shield, encode, self._encode_plain, frozenset(control))
+
+    def control_tokens(self) -> dict[int, str]:
+        """id → text of every added token a chat treats as control (shield.control_tokens, for this template)."""
+        if self._control is None or self._control[0] != self.chat_template:
+            added = self._tok.get_added_tokens_decoder()
+            self._control = (self.chat_template, control_tokens(added, self.chat_template))
+            self._plain = None
+        return self._control[1]
 
     def _encode_plain(self, text: str) -> list[int]:
-        if self._plain is None:
-            plain = FastTokenizer.from_str(self._tok.to_str())
+        if self._plain is None:  # a copy that reads every control token as text: marked special, then encoded as text
+            data = json.loads(self._tok.to_str())
+            control = set(self.control_tokens().values())
+            for token in data.get("added_tokens", []):
+                token["special"] = token["special"] or token["content"] in control
+            plain = FastTokenizer.from_str(json.dumps(data))
             plain.encode_special_tokens = True
             self._plain = plain
         return self._plain.encode_batch([text], add_special_tokens=False)[0].ids
