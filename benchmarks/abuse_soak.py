@@ -30,7 +30,7 @@ import time
 
 import httpx
 
-from soak_serve import WORDS, Tally, _check_stream, _refusal, rss, start_server, wait_idle
+from soak_lib import WORDS, Tally, _check_stream, _refusal, rss, start_server, wait_idle
 
 BOMBS = (
     {"type": "json_schema", "json_schema": {"name": "bomb", "schema": {"type": "string", "pattern": "^(a{1000}){1000}$"}}},

@@ -17,7 +17,7 @@ import torch
 from kvlab import hub
 from kvlab.kernels import ThreadPolicy
 from kvlab.kv.formats import KVFormats
-from kvlab.llm import load_tokenizer
+from kvlab.tokenizer import load_tokenizer
 from kvlab.model.loader import load_model
 from kvlab.quality import store
 from kvlab.quality.measure import Candidate, measure

@@ -15,7 +15,7 @@ import sys
 from dataclasses import dataclass, field
 
 from kvlab.errors import KvlabError
-from kvlab.generate_cli import dtype_text, open_llm_advised, sampling_params, threads_text, warn_if_busy
+from kvlab.engine_cli import dtype_text, open_llm_advised, sampling_params, threads_text, warn_if_busy
 
 HELP = """Commands:
   /set temperature 0.7   set a sampling value: temperature, top_p, top_k, min_p, max_tokens,

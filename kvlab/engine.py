@@ -4,8 +4,9 @@
                    what runs    tensors,       attention       tokens    text, stop
                    this step    slot mapping   through blocks            strings
 
-`step()` is the whole engine: schedule → prepare inputs → forward → sample → update and detokenize,
-each timed (`stats`). Callers add requests and call `step()` until `has_unfinished_requests` is
+`step()` is the whole engine: schedule → execute (the runner: prepare inputs, forward, sample or verify)
+→ update and detokenize → drafts for the next step, each timed (`stats`). The device side (KV pool,
+cache, block manager, runner) is built by `runner/pipeline.py`, as a draft model's is. Callers add requests and call `step()` until `has_unfinished_requests` is
 False: the offline `LLM` does it in its own thread, the server in an engine thread.
 """
 
@@ -18,20 +19,19 @@ import time
 from kvlab.config import EngineConfig
 from kvlab.errors import KvlabError
 from kvlab.kernels import ThreadPolicy
-from kvlab.kv.manager import KVCacheManager, KVLedger
-from kvlab.kv.paged import PagedKVCache
-from kvlab.kv.pool_plan import KVPoolPlan, plan_kv_pool
+from kvlab.kv.manager import KVLedger
 from kvlab.model.loader import LoadedModel
 from kvlab.output.group import RequestGroup
 from kvlab.output.processor import OutputState, StepOutput
 from kvlab.output.result import RequestOutput
 from kvlab.parallel.group import RankFailed
 from kvlab.request import Request, RequestStatus, check_token_ids
-from kvlab.runner.model_runner import ModelRunner, row_groups
+from kvlab.runner.pipeline import build_pipeline
 from kvlab.sampling.params import SamplingParams
 from kvlab.sampling.sampler import BatchSampler
 from kvlab.sampling.structured import GrammarCompiler
 from kvlab.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, StepResult
+from kvlab.spec_decode import SpecDecoder
 from kvlab.spec_decode.metrics import SpecDecodingStats
 from kvlab.stats import STEP_PHASES, EngineStats, peak_memory_bytes
 
@@ -49,32 +49,21 @@ class LLMEngine:
         # the model's end-of-sequence ids and the tokenizer's (end-of-turn tokens, generation_config's)
         eos = set(model_config.eos_token_ids) | set(tokenizer.eos_token_ids if tokenizer else ())
         self.eos_token_ids: tuple[int, ...] = tuple(sorted(eos))
-        self.pool_plan: KVPoolPlan = plan_kv_pool(config, model_config, model.dtype, model.device)
-        self.max_model_len = self.pool_plan.max_model_len
-        if model.rotary.cos.shape[0] < self.max_model_len:
-            raise KvlabError(f"the model was loaded with rotary tables for {model.rotary.cos.shape[0]} positions, "
-                             f"fewer than max_model_len {self.max_model_len}: load it with max_positions")  # fmt: skip
-        num_blocks = self.pool_plan.num_blocks
-        layout = self.pool_plan.layout  # KV groups: sliding-window layers keep only their window's blocks
-        self.cache = PagedKVCache.for_model(model_config, num_blocks, config.block_size, model.dtype, model.device,
-                                            layout, self.pool_plan.formats)  # fmt: skip
-        prefix_caching = config.enable_prefix_caching and config.use_cache
-        self.kv = KVCacheManager(num_blocks, config.block_size, prefix_caching, layout)
-        scheduler_config = SchedulerConfig(self.max_model_len, config.max_num_seqs, config.max_num_batched_tokens,
-                                           recompute_every_step=not config.use_cache)  # fmt: skip
-        self.scheduler = Scheduler(scheduler_config, self.kv)
         self.vocab_size = model_config.vocab_size
         self.grammars = GrammarCompiler(tokenizer, self.vocab_size, self.eos_token_ids) if tokenizer else None
         sampler = BatchSampler(self.vocab_size, model.device, self.grammars)
-        self.runner = ModelRunner(model, self.cache, pack_prompts=config.pack_prompts, policy=policy, sampler=sampler)
+        pipeline = build_pipeline(loaded, config, policy, sampler)  # the device side: pool, cache, blocks, runner
+        self.pool_plan, self.cache, self.kv, self.runner = pipeline.pool_plan, pipeline.cache, pipeline.kv, pipeline.runner
+        self.max_model_len = self.pool_plan.max_model_len
+        scheduler_config = SchedulerConfig(self.max_model_len, config.max_num_seqs, config.max_num_batched_tokens,
+                                           recompute_every_step=not config.use_cache)  # fmt: skip
+        self.scheduler = Scheduler(scheduler_config, self.kv)
         # what runs a decode step (kvlab/backends): the C backend, or the modules and why, said once here
         self.decode_path = self.runner.driver.decode_path(self.cache)
         logger.info("%s", self.decode_path.describe())
+        # speculative decoding (spec_decode/): the runner's proposer drafts, its sampling verifies
+        self.runner.spec = SpecDecoder.create(config.speculative_config, loaded, tokenizer, config, pipeline)
         self.stats = EngineStats()
-        # speculative decoding (spec_decode/): a proposer drafts, the runner's sample verifies
-        from kvlab.spec_decode import SpecDecoder
-
-        self.spec = self.runner.spec = SpecDecoder.create(config.speculative_config, self)
         self._states: dict[str, tuple[Request, OutputState]] = {}  # per sequence (a request, or one of its choices)
         self._groups: dict[str, RequestGroup] = {}  # per request id: its choices
         self._ids = itertools.count()
@@ -193,58 +182,41 @@ class LLMEngine:
         """
         plan = None
         try:
-            if self.spec is not None:  # 0. drafted tokens for the decodes (verified in this step's forward)
-                self.spec.propose(self.scheduler.running)
             t0 = time.perf_counter()
             plan = self.scheduler.schedule()  # 1. which requests, how many tokens each
             t1 = time.perf_counter()
             if not plan.chunks:
                 return []
-            inputs = self.runner.prepare_inputs(plan)  # 2. token ids, positions, slot mapping, block tables
-            t2 = time.perf_counter()
-            logits = self.runner.forward(inputs)  # 3. one batched forward (per pass)
-            if self.spec is not None:  # a draft model prefills the prompts finished here, as the target did
-                self.spec.prefill(plan)
-            t3 = time.perf_counter()
-            tokens, failed = self._sample(inputs, logits)  # 4. a token per request that reached its end
+            step = self.runner.execute(plan)  # 2-4. tensors, forward, a token per request (sampled or verified)
             t4 = time.perf_counter()
-            outputs = [o for r, e in failed if self.has_request(r.group_id) and (o := self._fail(r, e)) is not None]
+            tokens = step.tokens
+            outputs = [o for r, e in step.failed if self.has_request(r.group_id) and (o := self._fail(r, e)) is not None]
             outputs += self._update(plan, tokens, step_s=t4 - t0)  # 5. append, stop, detokenize
             t5 = time.perf_counter()
         except RankFailed:
             raise  # another rank of a tensor-parallel job is gone: no request can go on (kvlab/parallel)
         except Exception as error:
             return self._fail_step(plan, error)
-        phases = dict(zip(STEP_PHASES, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4)))
+        phases = dict(zip(STEP_PHASES, (t1 - t0, step.prepare_s, step.forward_s, step.sample_s, t5 - t4)))
         self.stats.record_step(phases, plan.num_tokens, tokens.num_sampled)
         if self.spec is not None:
             pure = all(c.is_decode or c.spec_token_ids for c in plan.chunks)
             self.spec.record_step(t5 - t0, pure, sum(1 for c in plan.chunks if c.spec_token_ids), tokens.num_sampled,
                                   plan.num_tokens)  # fmt: skip
+        try:
+            self.runner.propose(self.scheduler.running)  # 6. drafts for the next step's decodes
+        except RankFailed:
+            raise
+        except Exception as error:
+            return outputs + self._fail_step(None, error)
         return outputs
 
+    @property
+    def spec(self):
+        """The runner's SpecDecoder (spec_decode/), None when the engine does not speculate."""
+        return self.runner.spec
+
     # ---- step-failure isolation: an exception in a step ends that step's requests, not the engine ----
-
-    def _sample(self, inputs, logits) -> tuple[StepResult, list[tuple[Request, Exception]]]:
-        """The runner's sample; if it raises, each request alone, to find the one(s) that cannot be sampled.
-
-        A retried request that had drawn before the failure draws again: its seeded text differs
-        from a run without the failure. The forward's prompt log-probabilities join the result.
-        """
-        requests = inputs.sampling
-        tokens, failed = StepResult(prompt_logprobs=dict(inputs.prompt_logprobs)), []
-        try:
-            tokens.merge(self.runner.sample(requests, logits))
-            return tokens, []
-        except Exception:
-            if len(requests) <= 1:
-                raise
-        for request, lo, hi in row_groups(requests):  # a verifying request's k + 1 rows stay together
-            try:
-                tokens.merge(self.runner.sample(requests[lo:hi], logits[lo:hi]))
-            except Exception as error:
-                failed.append((request, error))
-        return tokens, failed
 
     def _fail_step(self, plan: SchedulerOutput | None, error: Exception) -> list[StepOutput]:
         """A step raised and no single request can be blamed: end every request of the step (every

@@ -35,6 +35,7 @@ from kvlab.model.loader import load_model
 from kvlab.output.result import RequestOutput
 from kvlab.parallel.group import TPGroup
 from kvlab.sampling import SamplingParams
+from kvlab.tokenizer import load_tokenizer
 
 # a prompt is text, or {"prompt_token_ids": [...]} (vLLM's TokensPrompt) for models without a tokenizer
 Prompt = Union[str, dict]
@@ -223,12 +224,3 @@ class TextStream:
                 self.done = True
 
 
-def load_tokenizer(loaded):
-    """The model's tokenizer, or None for a directory without one (tiny test models)."""
-    from kvlab.tokenizer import Tokenizer
-
-    if loaded.gguf is not None:  # the loader's parse of the file: its vocabulary is not read twice
-        return Tokenizer.from_gguf_file(loaded.gguf)
-    if loaded.path.is_dir() and not (loaded.path / "tokenizer.json").is_file():
-        return None
-    return Tokenizer.load(loaded.path)

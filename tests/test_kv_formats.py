@@ -158,7 +158,7 @@ def test_kvlab_mem_sizes_keys_and_values_apart_and_per_rank(capsys):
 @pytest.mark.parametrize("name, least", [("q8_0", 1.8), ("q4_0", 3.4), ("fp8_e4m3", 1.7)])  # fp8: 36 B per 32-number vector
 def test_the_servers_plan_says_how_many_more_tokens_than_float16(tmp_path, capsys, name, least):
     from kvlab.cli import build_parser
-    from kvlab.generate_cli import check_model_args, engine_options
+    from kvlab.engine_cli import check_model_args, engine_options
     from kvlab.server.cli import print_plan
 
     model = build_tiny("qwen3", tmp_path)

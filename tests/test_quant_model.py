@@ -122,7 +122,7 @@ def test_a_block_type_kvlab_cannot_compute_with_is_named_with_its_tensor(tmp_pat
 
 def test_the_servers_memory_plan_plans_the_bytes_the_packed_model_holds(files, native, capsys):
     from kvlab.cli import build_parser
-    from kvlab.generate_cli import check_model_args, engine_options, open_llm
+    from kvlab.engine_cli import check_model_args, engine_options, open_llm
     from kvlab.server.cli import print_plan
 
     _, _, path = files

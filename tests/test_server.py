@@ -251,7 +251,7 @@ def _greedy(n: int):
 
 def test_serve_prints_its_memory_plan_then_the_measured_figures(tiny_chat_model, capsys):
     from kvlab.cli import build_parser
-    from kvlab.generate_cli import check_model_args, engine_options, open_llm
+    from kvlab.engine_cli import check_model_args, engine_options, open_llm
     from kvlab.server.cli import print_measured, print_plan
 
     args = build_parser().parse_args(["serve", str(tiny_chat_model), "--kv-memory", "1MiB", "--max-model-len", "256"])

@@ -498,3 +498,22 @@ def test_row_costs_interpolate_and_never_reach_zero():
     assert 0 < costs.estimate(1) <= 0.010  # before: below the first, above zero
     costs.observe(6, 0.020)  # a new measurement moves the average, not replaces it
     assert costs.estimate(6) == pytest.approx(0.027)
+
+
+def test_the_draft_model_stores_kv_as_the_target_does_or_says_why_not(tmp_path):
+    from tiny import build_tiny
+
+    target = build_tiny("llama", tmp_path / "target", head_dim=32)
+    draft = build_tiny("llama", tmp_path / "draft", seed=1, head_dim=32)
+    config = {"model": str(draft), "num_speculative_tokens": 2}
+    llm = LLM(target, kv_cache_dtype="q8_0", speculative_config=config)
+    assert llm.engine.spec.draft.cache.formats == llm.engine.cache.formats  # q8_0, rotated: the target's
+    assert llm.engine.cache.formats.k.name == "q8_0" and drafted_output(llm)
+    narrow = build_tiny("llama", tmp_path / "narrow", seed=1)  # head_dim 16: no q8_0 block of 32 fits
+    with pytest.raises(KvlabError, match="cannot hold the target's KV cache"):
+        LLM(target, kv_cache_dtype="q8_0", speculative_config={"model": str(narrow), "num_speculative_tokens": 2})
+
+
+def drafted_output(llm: LLM) -> bool:
+    out = llm.generate(prompts()[0], GREEDY)
+    return len(out.token_ids) == GREEDY.max_tokens and drafted(llm).num_drafts > 0

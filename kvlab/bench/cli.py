@@ -35,9 +35,9 @@ def register(subparsers) -> None:
     w.add_argument("--seed", type=int, default=0, help="seed of the prompts' random tokens")
     w.add_argument("--max-duration", type=float, default=600.0, help="seconds; requests still running then are aborted")
     p.add_argument("--json", help="also write the results as JSON to this file ('-' for standard output)")
-    from kvlab.generate_cli import _add_model_args
+    from kvlab.engine_cli import add_model_args
 
-    _add_model_args(p)
+    add_model_args(p)
     p.set_defaults(func=cmd_bench_serve)
     bench.set_defaults(func=lambda args: bench.print_help() or 2)
 
@@ -66,7 +66,7 @@ def cmd_bench_serve(args) -> int:
             detail = " ".join(e.response.text.split())[:200]
             raise KvlabError(f"{args.url} answered {e.response.status_code} to {e.request.url.path}: {detail}") from None
     else:
-        from kvlab.generate_cli import open_llm
+        from kvlab.engine_cli import open_llm
 
         llm = open_llm(args)
         result = run_in_process(llm.engine, workload)

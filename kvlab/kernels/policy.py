@@ -59,10 +59,11 @@ class ThreadPolicy:
             _current.reset(token)
 
     @contextmanager
-    def applied(self, num_rows: int, device: torch.device | None = None) -> Iterator[ThreadPolicy]:
-        """Around a forward of `num_rows` tokens: this policy active, and PyTorch's thread count set for it."""
+    def applied(self, num_rows: int, device: torch.device | None = None, pool: bool = False) -> Iterator[ThreadPolicy]:
+        """Around a forward of `num_rows` tokens: this policy active, and PyTorch's thread count set for it
+        (one thread for a decode-sized pass on a CPU where the kernels' `pool` is there to take the products)."""
         torch_threads = self.threads
-        if (device is None or device.type == "cpu") and self.kernel_sized(num_rows) and _pool_available():
+        if (device is None or device.type == "cpu") and self.kernel_sized(num_rows) and pool:
             torch_threads = 1
         before = torch.get_num_threads()
         if before != torch_threads:
@@ -82,8 +83,3 @@ def current() -> ThreadPolicy:
     """The policy in force in this thread; outside any, one made from torch's thread count and KVLAB_KERNELS."""
     return _current.get() or ThreadPolicy()
 
-
-def _pool_available() -> bool:
-    from kvlab.kernels.gemv import gemv_available
-
-    return gemv_available()

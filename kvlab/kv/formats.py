@@ -93,11 +93,18 @@ class FloatFormat(KVFormat):
         return False
 
 
+def _whole_blocks(head_dim: int, name: str) -> int:
+    """Blocks of QBLOCK values in one head's vector; a KvlabError (at load, before any pool) when they do not tile it."""
+    if head_dim % QBLOCK:
+        raise KvlabError(f"a {name} KV cache needs head_dim in whole blocks of {QBLOCK}, got {head_dim}")
+    return head_dim // QBLOCK
+
+
 class Q8_0(KVFormat):
     rotate_by_default = True
 
     def storage(self, head_dim):
-        return [((head_dim,), torch.int8), ((head_dim // QBLOCK,), torch.float16)]
+        return [((head_dim,), torch.int8), ((_whole_blocks(head_dim, self.name),), torch.float16)]
 
     def encode(self, x):
         b = _blocks(x)  # [..., D/32, 32]
@@ -116,7 +123,7 @@ class Q4_0(KVFormat):
     rotate_by_default = True
 
     def storage(self, head_dim):
-        return [((head_dim // 2,), torch.uint8), ((head_dim // QBLOCK,), torch.float16)]
+        return [((head_dim // 2,), torch.uint8), ((_whole_blocks(head_dim, self.name),), torch.float16)]
 
     def encode(self, x):
         b = _blocks(x)

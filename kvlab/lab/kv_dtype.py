@@ -104,7 +104,7 @@ def _settings(lab: Lab) -> tuple[list[tuple], list[str]]:
 
 def _text(lab: Lab, tokens: int) -> tuple[list[int], int | None, str]:
     """Real text for the KL divergence (the quality guard's), or the lab's random ids without a tokenizer."""
-    from kvlab.llm import load_tokenizer
+    from kvlab.tokenizer import load_tokenizer
     from kvlab.quality.text import text_ids
 
     tokenizer = load_tokenizer(lab.loaded)

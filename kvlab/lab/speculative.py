@@ -112,7 +112,7 @@ def run(lab: Lab) -> SpecResult:
     from kvlab.engine import LLMEngine
     from kvlab.hub import ensure_pulled
     from kvlab.kernels import ThreadPolicy
-    from kvlab.llm import load_tokenizer
+    from kvlab.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(lab.loaded)
     notes = []

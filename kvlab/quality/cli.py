@@ -18,7 +18,7 @@ DEFAULT_WINDOW = 2048
 
 
 def register(subparsers) -> None:
-    from kvlab.generate_cli import add_kv_cache_args
+    from kvlab.engine_cli import add_kv_cache_args
 
     p = subparsers.add_parser(
         "quality",
@@ -62,10 +62,10 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from kvlab import hub
-    from kvlab.generate_cli import check_device
+    from kvlab.engine_cli import check_device
     from kvlab.kernels import ThreadPolicy
     from kvlab.kv.formats import KVFormats
-    from kvlab.llm import load_tokenizer
+    from kvlab.tokenizer import load_tokenizer
     from kvlab.model.loader import load_model
     from kvlab.quality import store
     from kvlab.quality.measure import Candidate, measure

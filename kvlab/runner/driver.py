@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from kvlab.kernels import ThreadPolicy
+from kvlab.kernels.gemv import gemv_available
 from kvlab.kv.cache import KVCache, SingleBatchKVCache
 
 
@@ -48,7 +49,7 @@ class ModelDriver:
             if not isinstance(cache, SingleBatchKVCache):
                 raise TypeError(f"{type(cache).__name__} needs the pass's metadata from its caller")
             meta = cache.plan(input_ids.shape[1])
-        with self.policy.applied(input_ids.numel(), self.device):
+        with self.policy.applied(input_ids.numel(), self.device, pool=gemv_available()):
             fused = self._fused_step(input_ids, cache, meta, logits_index)
             if fused is not None:
                 logits = fused.run(input_ids, cache, meta, logits_index, self.policy)

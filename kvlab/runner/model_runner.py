@@ -18,11 +18,13 @@ layout the benchmark compares against); packing is the default.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
 
 from kvlab.kernels import ThreadPolicy
+from kvlab.kernels.gemv import gemv_available
 from kvlab.kv.cache import AttentionMetadata, build_metadata, window_mask
 from kvlab.kv.layout import KVGroup, window_start
 from kvlab.kv.paged import AttentionGroup, KVGroupMetadata, PagedKVCache, PagedMetadata
@@ -42,6 +44,18 @@ class ModelInputs:
     logits_index: torch.Tensor  # [S] packed index of each sampling chunk's last token
     sampling: list[Request]  # the request of each logits row
     chunks: list[ScheduledChunk] = field(default_factory=list)  # packed in this order (prompt log-probabilities)
+
+
+@dataclass
+class StepExecution:
+    """What `ModelRunner.execute` made of a plan: each request's tokens, the requests whose sampling failed
+    (with why: they end; the others keep their tokens), and the device side's phases in seconds."""
+
+    tokens: StepResult
+    failed: list[tuple[Request, Exception]]
+    prepare_s: float
+    forward_s: float
+    sample_s: float
 
 
 @dataclass
@@ -70,7 +84,49 @@ class ModelRunner:
         self.driver = ModelDriver(model, policy)
         # every sequence's sampling state (seeded generators, penalty counts, grammar matchers)
         self.sampler = sampler or BatchSampler(model.config.vocab_size if model is not None else 0, self.device)
-        self.spec = None  # the engine's SpecDecoder (spec_decode/): verifies requests that drafted tokens
+        self.spec = None  # a SpecDecoder (spec_decode/) when the engine speculates: drafts, verifies, counts
+
+    # ---- the step ----------------------------------------------------------------------------------
+
+    def execute(self, plan: SchedulerOutput) -> StepExecution:
+        """The device side of one step: the plan as tensors, the forward (a draft model prefills the prompts
+        it finishes, as the target does), then a token per request that reached its end, sampled or
+        verified against its drafts."""
+        t0 = time.perf_counter()
+        inputs = self.prepare_inputs(plan)  # token ids, positions, slot mapping, block tables
+        t1 = time.perf_counter()
+        logits = self.forward(inputs)  # one batched forward (per pass)
+        if self.spec is not None:
+            self.spec.prefill(plan)
+        t2 = time.perf_counter()
+        tokens, failed = self._sample_isolated(inputs, logits)
+        return StepExecution(tokens, failed, t1 - t0, t2 - t1, time.perf_counter() - t2)
+
+    def propose(self, running: list[Request]) -> None:
+        """Drafted tokens for the running requests whose next step is a decode (no-op without speculation)."""
+        if self.spec is not None:
+            self.spec.propose(running)
+
+    def _sample_isolated(self, inputs: StepInputs, logits) -> tuple[StepResult, list[tuple[Request, Exception]]]:
+        """`sample`; if it raises, each request alone, to find the one(s) that cannot be sampled.
+
+        A retried request that had drawn before the failure draws again: its seeded text differs
+        from a run without the failure. The forward's prompt log-probabilities join the result.
+        """
+        requests = inputs.sampling
+        tokens, failed = StepResult(prompt_logprobs=dict(inputs.prompt_logprobs)), []
+        try:
+            tokens.merge(self.sample(requests, logits))
+            return tokens, []
+        except Exception:
+            if len(requests) <= 1:
+                raise
+        for request, lo, hi in row_groups(requests):  # a verifying request's k + 1 rows stay together
+            try:
+                tokens.merge(self.sample(requests[lo:hi], logits[lo:hi]))
+            except Exception as error:
+                failed.append((request, error))
+        return tokens, failed
 
     # ---- 1. tensors --------------------------------------------------------------------------------
 
@@ -206,7 +262,7 @@ class ModelRunner:
         groups = row_groups(requests)
         if len(groups) < len(requests):
             return self._sample_verifying(groups, logits)
-        with self.driver.policy.applied(len(requests), self.device):
+        with self.driver.policy.applied(len(requests), self.device, pool=gemv_available()):
             out = self.sampler.sample(requests, logits)
         return StepResult({sid: [t] for sid, t in out.tokens.items()},
                           logprobs={sid: [lp] for sid, lp in out.logprobs.items()}, forks=out.forks)  # fmt: skip
@@ -218,7 +274,7 @@ class ModelRunner:
             index = torch.tensor([lo for _, lo in plain], device=logits.device)
             result = self.sample([r for r, _ in plain], logits[index])
         verifying = [(r, lo, hi) for r, lo, hi in groups if hi - lo > 1]
-        with self.driver.policy.applied(len(verifying), self.device):
+        with self.driver.policy.applied(len(verifying), self.device, pool=gemv_available()):
             fast = [(r, lo, hi) for r, lo, hi in verifying if r.params.is_plain_greedy]
             if fast:
                 rows = torch.cat([logits[lo:hi] for _, lo, hi in fast])

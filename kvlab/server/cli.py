@@ -68,15 +68,15 @@ def register(subparsers) -> None:
     g.add_argument("--max-messages", type=int, default=1024, help="messages in one chat request (default 1024)")
     g.add_argument("--max-prompt-chars", type=int, default=None,
                    help="characters in one prompt (default: the context × the longest token, more cannot fit)")  # fmt: skip
-    from kvlab.generate_cli import _add_model_args, add_parallel_args
+    from kvlab.engine_cli import add_model_args, add_parallel_args
 
-    _add_model_args(p)
+    add_model_args(p)
     add_parallel_args(p)
     p.set_defaults(func=cmd_serve)
 
 
 def cmd_serve(args) -> int:
-    from kvlab.generate_cli import check_model_args, engine_options
+    from kvlab.engine_cli import check_model_args, engine_options
     from kvlab.server.app import DEFAULT_MAX_BODY_BYTES, ServerConfig
 
     if not 0 <= args.port < 65536:
@@ -120,7 +120,7 @@ def cmd_serve(args) -> int:
         options = engine_options(args)
         plan, planned_weights = print_plan(args, options, file=None if leader else io.StringIO())
         options["kv_memory_bytes"] = plan.nbytes  # allocate exactly what was planned
-        from kvlab.generate_cli import open_llm
+        from kvlab.engine_cli import open_llm
 
         llm = open_llm(args, **options)
         if leader:

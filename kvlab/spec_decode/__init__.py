@@ -123,12 +123,16 @@ class SpecReport:
 
 
 class SpecDecoder:
-    def __init__(self, config: SpeculativeConfig, engine, proposer, draft=None):
+    """Speculation for one engine, from the parts it needs (never the engine): a proposer (prompt lookup,
+    or a draft model with its own pipeline), the target runner's sampler to verify with, the rows a
+    step may carry and stay decode-sized (`row_cap`, None: no cap), and the context length."""
+
+    def __init__(self, config: SpeculativeConfig, proposer, draft, sampler, row_cap: int | None, max_model_len: int):
         self.config, self.k = config, config.num_speculative_tokens
-        self.engine = engine
         self.ngram = proposer
         self.draft = draft
-        self.verifier = RejectionSampler(engine.runner.sampler)
+        self.row_cap, self.max_model_len = row_cap, max_model_len
+        self.verifier = RejectionSampler(sampler)
         self.stats = SpecDecodingStats()
         self.spec_steps, self.plain_steps = StepTimes(), StepTimes()
         self.propose_s = 0.0  # proposing time of the rounds in spec_steps
@@ -146,38 +150,37 @@ class SpecDecoder:
             self.draft.num_passes, self.draft.pass_s = 0, 0.0
 
     @classmethod
-    def create(cls, value, engine) -> SpecDecoder | None:
+    def create(cls, value, loaded, tokenizer, engine_config, target) -> SpecDecoder | None:
+        """The engine's speculation from `value` (a SpeculativeConfig, its dict or JSON; None: off), for the
+        target model `loaded` with its `tokenizer`, EngineConfig and pipeline (runner/pipeline.py)."""
         config = SpeculativeConfig.parse(value)
         if config is None:
             return None
-        model_config = engine.loaded.config
+        model_config = loaded.config
         if config.method == "mtp":
             n = len(model_config.mtp_layers)
-            raise KvlabError(f"{engine.loaded.path.name} has {n} MTP layer(s) but kvlab cannot run them as a proposer "
+            raise KvlabError(f"{loaded.path.name} has {n} MTP layer(s) but kvlab cannot run them as a proposer "
                              "yet: use ngram or draft_model" if n else
-                             f"{engine.loaded.path.name} has no MTP heads (nextn_predict_layers): use ngram or draft_model")  # fmt: skip
-        if not engine.config.use_cache:
+                             f"{loaded.path.name} has no MTP heads (nextn_predict_layers): use ngram or draft_model")  # fmt: skip
+        if not engine_config.use_cache:
             raise KvlabError("speculative decoding needs the KV cache: drop --no-cache")
+        runner, max_len = target.runner, target.pool_plan.max_model_len
+        policy = runner.driver.policy  # drafts stay decode-sized: the CPU's kernels and decode backend take them
+        row_cap = policy.max_kernel_rows if target.cache.device.type == "cpu" and policy.use_kernels else None
         if config.method == "ngram":
-            return cls(config, engine, NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max))
+            ngram = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+            return cls(config, ngram, None, runner.sampler, row_cap, max_len)
         from kvlab.model.loader import load_model
         from kvlab.spec_decode.draft_model import DraftModelProposer, check_same_tokenizer
+        from kvlab.tokenizer import load_tokenizer
 
-        target = engine.loaded.model
-        loaded = load_model(config.model, dtype=target.dtype, device=target.device, max_positions=engine.max_model_len)
-        from kvlab.llm import load_tokenizer
-
-        check_same_tokenizer(engine.tokenizer, load_tokenizer(loaded), model_config, loaded.config, str(config.model))
-        draft = DraftModelProposer(loaded, model_config.vocab_size, engine.pool_plan.num_blocks, engine.kv.block_size,
-                                   engine.max_model_len, engine.runner.driver.policy)  # fmt: skip
-        return cls(config, engine, None, draft)
+        draft_loaded = load_model(config.model, dtype=loaded.model.dtype, device=loaded.model.device, max_positions=max_len)
+        check_same_tokenizer(tokenizer, load_tokenizer(draft_loaded), model_config, draft_loaded.config, str(config.model))
+        draft = DraftModelProposer(draft_loaded, model_config.vocab_size, engine_config, target.pool_plan, policy,
+                                   str(config.model))  # fmt: skip
+        return cls(config, None, draft, runner.sampler, row_cap, max_len)
 
     # ---- before a step -----------------------------------------------------------------------
-
-    def _row_cap(self) -> int | None:
-        """Decode rows a step may carry and stay decode-sized (the CPU's kernels and fused step), or None."""
-        policy, device = self.engine.runner.driver.policy, self.engine.cache.device
-        return policy.max_kernel_rows if device.type == "cpu" and policy.use_kernels else None
 
     def propose(self, running) -> None:
         """Draft tokens for the running requests whose next step is a decode."""
@@ -186,7 +189,7 @@ class SpecDecoder:
         self._last_propose_s = 0.0
         if not decodes:
             return
-        max_len = self.engine.max_model_len
+        max_len = self.max_model_len
         # every PROBE_EVERY-th decode step of a request is plain (its own count: the same seed, the same text)
         ready = [r for r in decodes if eligible(r.params) and r.request_id not in self._off
                  and r.timings.decode_steps % PROBE_EVERY != PROBE_EVERY - 1
@@ -218,7 +221,7 @@ class SpecDecoder:
     def _ks(self, decodes, ready) -> dict[str, int]:
         """Drafts per request: k, within the row cap for requests whose text does not depend on k (greedy
         ones, and every request under prompt lookup); a sampled request's draft-model k is always k."""
-        cap = self._row_cap()
+        cap = self.row_cap
         own = {r.request_id: self.k if r.params.num_speculative_tokens is None else r.params.num_speculative_tokens
                for r in ready}  # fmt: skip
         ks = dict(own)

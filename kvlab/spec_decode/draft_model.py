@@ -18,17 +18,17 @@ generator, and q is kept for the verifier.
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import torch
 
 from kvlab.config import EngineConfig
 from kvlab.errors import KvlabError
+from kvlab.kv.formats import KVFormats
 from kvlab.kv.layout import KVLayout
-from kvlab.kv.manager import KVCacheManager
 from kvlab.kv.paged import PagedKVCache
-from kvlab.kv.pool_plan import plan_kv_pool
 from kvlab.request import Request
-from kvlab.runner.model_runner import ModelRunner
+from kvlab.runner.pipeline import build_pipeline
 from kvlab.scheduler import ScheduledChunk, SchedulerOutput
 from kvlab.spec_decode.rejection_sampler import _invert, draft_distribution
 
@@ -51,24 +51,30 @@ def check_same_tokenizer(target_tokenizer, draft_tokenizer, target_config, draft
 
 
 class DraftModelProposer:
-    def __init__(self, loaded, vocab_size: int, num_blocks: int, block_size: int, max_model_len: int, policy):
+    """`loaded`, the draft model, with its own pipeline (runner/pipeline.py) built from the target's
+    EngineConfig: the same block size, context and KV formats (K and V as the target stores them), as many
+    blocks as the target's pool, no prefix caching."""
+
+    def __init__(self, loaded, vocab_size: int, target_config: EngineConfig, target_plan, policy, name: str):
         self.loaded, self.model = loaded, loaded.model
         self.vocab_size = vocab_size  # the target's: q rows are laid over it
-        config = loaded.config
+        config, max_model_len = loaded.config, target_plan.max_model_len
         if config.max_position_embeddings < max_model_len:
             raise KvlabError(f"the draft model's context ({config.max_position_embeddings} tokens) is shorter than "
                              f"the target's max_model_len {max_model_len}: give --max-model-len ≤ "
                              f"{config.max_position_embeddings}")  # fmt: skip
-        layout = KVLayout.for_model(config)
-        per_block = PagedKVCache.bytes_per_block_for(config, self.model.dtype, block_size, layout)
-        engine = EngineConfig(max_model_len=max_model_len, block_size=block_size,
-                              kv_memory_bytes=num_blocks * per_block * len(layout.groups))  # fmt: skip
-        plan = plan_kv_pool(engine, config, self.model.dtype, self.model.device)
-        self.pool_plan = plan
-        self.cache = PagedKVCache.for_model(config, plan.num_blocks, block_size, self.model.dtype, self.model.device,
-                                            plan.layout, plan.formats)  # fmt: skip
-        self.kv = KVCacheManager(plan.num_blocks, block_size, enable_prefix_caching=False, layout=plan.layout)
-        self.runner = ModelRunner(self.model, self.cache, policy=policy)
+        layout, block_size = KVLayout.for_model(config), target_config.block_size
+        try:
+            formats = KVFormats.resolve(target_config.kv_cache_dtype, target_config.cache_type_k,
+                                        target_config.cache_type_v, self.model.dtype, target_config.kv_rotation)  # fmt: skip
+            per_block = PagedKVCache.bytes_per_block_for(config, self.model.dtype, block_size, layout, formats)
+            engine = replace(target_config, max_model_len=max_model_len, speculative_config=None,
+                             kv_memory_bytes=target_plan.num_blocks * per_block * len(layout.groups))  # fmt: skip
+            pipeline = build_pipeline(loaded, engine, policy, prefix_caching=False)
+        except KvlabError as e:
+            raise KvlabError(f"the draft model {name} cannot hold the target's KV cache "
+                             f"({target_plan.formats.description}): {e}") from None  # fmt: skip
+        self.pool_plan, self.cache, self.kv, self.runner = pipeline.pool_plan, pipeline.cache, pipeline.kv, pipeline.runner
         self.shadows: dict[str, Request] = {}
         self._synced: dict[str, int] = {}  # leading shadow tokens known to equal the target's
         self.num_passes = 0  # draft forwards run (one per drafted position, batched over requests)

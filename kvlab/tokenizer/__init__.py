@@ -7,4 +7,14 @@
 
 from kvlab.tokenizer.tokenizer import Tokenizer
 
-__all__ = ["Tokenizer"]
+__all__ = ["Tokenizer", "load_tokenizer"]
+
+
+def load_tokenizer(loaded) -> Tokenizer | None:
+    """A loaded model's tokenizer (model/loader.py's LoadedModel), or None for a directory without one
+    (tiny test models)."""
+    if loaded.gguf is not None:  # the loader's parse of the file: its vocabulary is not read twice
+        return Tokenizer.from_gguf_file(loaded.gguf)
+    if loaded.path.is_dir() and not (loaded.path / "tokenizer.json").is_file():
+        return None
+    return Tokenizer.load(loaded.path)
