@@ -18,6 +18,7 @@ COMMAND_MODULES = [
     "kvlab.generate_cli",
     "kvlab.memory.cli",
     "kvlab.quality.cli",
+    "kvlab.check",
     "kvlab.lab.cli",
     "kvlab.server.cli",
     "kvlab.ps_cli",
@@ -27,7 +28,7 @@ COMMAND_MODULES = [
 # commands whose `model` (and `speculative_model`) is a kvlab model argument: a registry name, a .gguf
 # file or a model folder. cli checks it before the command runs, so that a misspelt name or a missing
 # file is one line at once, before the command imports torch. (`kvlab mem` names configs, not models.)
-MODEL_COMMANDS = ("run", "chat", "serve", "quality", "lab", "bench")
+MODEL_COMMANDS = ("run", "chat", "serve", "quality", "check", "lab", "bench")
 
 
 class HelpWithDefaults(argparse.HelpFormatter):

@@ -51,6 +51,8 @@ def invocations(model: Path, gguf: Path, tmp: Path, url: str) -> dict[str, list]
                   "--out", str(tmp / "lab")], None]],  # fmt: skip
         "quality": [[["quality", str(model), "--kv-cache-dtype", "bfloat16", "--tokens", "64", "--window", "32",
                       "--threads", "1"], None]],  # fmt: skip
+        "check": [[["check", str(model), "--kv-cache-dtype", "float32", "--num-prompts", "2", "--prompt-tokens", "8",
+                    "--max-tokens", "2", "--threads", "1"], None]],  # fmt: skip
         "serve": [],  # the server process itself
         "ps": [[["ps", "--url", url], None]],
         "bench serve": [[["bench", "serve", "--url", url, "--num-requests", "2", "--concurrency", "2",
