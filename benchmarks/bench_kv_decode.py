@@ -1,4 +1,4 @@
-"""Decode speed at long contexts with the KV cache in each format: float32, q8_0, q4_0, fp8_e4m3.
+"""Decode speed at long contexts with the KV cache in each format: float32, bfloat16, float16, q8_0, q4_0, fp8_e4m3.
 
     .venv/bin/python benchmarks/bench_kv_decode.py --models smollm2-135m qwen2.5-coder-0.5b \
         --contexts 1000 4000 8000 --repeat 5
@@ -40,7 +40,7 @@ from kvlab.kv.paged import AttentionGroup, KVGroupMetadata, PagedKVCache, PagedM
 from kvlab.model.loader import load_model  # noqa: E402
 from kvlab.runner.driver import ModelDriver  # noqa: E402
 
-FORMATS = ["float32", "q8_0", "q4_0", "fp8_e4m3"]
+FORMATS = ["float32", "bfloat16", "float16", "q8_0", "q4_0", "fp8_e4m3"]
 STEPS = 8  # decode steps per format per repeat
 BLOCK = 16
 

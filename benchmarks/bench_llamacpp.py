@@ -192,7 +192,7 @@ FIGURES = ("decode_64_tok_s", "decode_1024_tok_s", "prefill_tok_s", "load_s", "p
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--models", nargs="+", default=["smollm2-135m", "qwen2.5-coder-0.5b"])
+    ap.add_argument("--models", nargs="+", default=["smollm2-135m", "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b", "gemma3-270m"])
     ap.add_argument("--repeat", type=int, default=3, help="rounds (one process of each engine per model each)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--venv", type=Path, default=DEFAULT_VENV, help="llama-cpp-python's venv (setup_llamacpp.sh)")
