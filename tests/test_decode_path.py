@@ -8,7 +8,6 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
 from kvlab.config import EngineConfig
 from kvlab.engine import LLMEngine
@@ -22,7 +21,7 @@ REGISTRY = ["smollm2-135m", "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b", "gemma3-
 
 
 def path_of(loaded, kv: str, **config):
-    engine = LLMEngine(loaded, None, EngineConfig(kv_memory_bytes=1 << 22, kv_cache_dtype=kv, **config))
+    engine = LLMEngine(loaded, None, EngineConfig(kv_memory_bytes=1 << 24, kv_cache_dtype=kv, **config))
     return engine.decode_path
 
 
@@ -70,10 +69,8 @@ def test_run_says_the_path_in_json_and_the_footer_only_when_it_is_off(tmp_path):
 def test_every_registry_model_takes_the_c_step_with_every_kv_format(real_model, name):
     loaded = load_model(real_model(name), max_positions=4096)
     for kv in sorted(KV_FORMATS):
-        path = path_of(loaded, kv, max_model_len=4096)
+        path = path_of(loaded, kv, max_model_len=128)
         assert (path.name, path.reason) == ("cpu-c", None), (name, kv)
-    del loaded
-    torch.cuda.empty_cache() if torch.cuda.is_available() else None
 
 
 def test_show_names_the_path_from_the_description_alone(tmp_path):
