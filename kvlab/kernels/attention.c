@@ -1,0 +1,233 @@
+// Attention of a decode step over the paged cache, straight from its stored codes (decode.h's Step).
+
+#include <math.h>
+#include <string.h>
+
+#include "decode.h"
+#include "pool.h"
+
+// ---- attention: one work item per (sequence, chunk of keys), every head ------------------------
+//
+// A kv head's group of query heads share its keys and values: each cached row is decoded once and
+// used by all of them. Per chunk: scores first (q · k / sqrt(D) for each key), then each head's
+// softmax over the chunk (relative to the chunk's largest score), then the weighted sum of the
+// values. `merge` then combines the chunks of each head, exactly as one softmax over all keys.
+
+typedef struct {
+    const Layer* layer;
+    const Step* step;
+    const float* qkv;  // [B, (H + 2 Hkv) · D], q and k rotated (RoPE; and Hadamard with `rotate_k`)
+    float* out;        // [B, H · D]
+    float* scores;     // [B · H, max_keys]
+    float* partial;    // [B, chunks, H, D + 2]: per chunk and head, its max score, sum of weights, Σ weight · v
+    int64_t chunks;    // chunks per sequence (num_chunks(max_keys))
+} Attend;
+
+// a · b over D floats
+static inline float dot(const float* a, const float* b, int64_t D) {
+    v8f s0 = {0}, s1 = {0};
+    int64_t i = 0;
+    for (; i + 16 <= D; i += 16) {
+        s0 += load8(a + i) * load8(b + i);
+        s1 += load8(a + i + 8) * load8(b + i + 8);
+    }
+    for (; i + 8 <= D; i += 8) s0 += load8(a + i) * load8(b + i);
+    float s = hsum8(s0 + s1);
+    for (; i < D; i++) s += a[i] * b[i];
+    return s;
+}
+
+// The dots of one query with 8 keys k[0..7] (D floats each): eight accumulators, then one transposing
+// reduction for all eight instead of a horizontal sum per key
+static inline v8f dot8(const float* q, const float* const k[8], int64_t D) {
+    v8f acc[8] = {{0}};
+    for (int64_t i = 0; i + 8 <= D; i += 8) {
+        const v8f x = load8(q + i);
+        for (int r = 0; r < 8; r++) acc[r] += x * load8(k[r] + i);
+    }
+#if defined(__AVX__)
+    const __m256 t0 = _mm256_hadd_ps((__m256)acc[0], (__m256)acc[1]), t1 = _mm256_hadd_ps((__m256)acc[2], (__m256)acc[3]);
+    const __m256 t2 = _mm256_hadd_ps((__m256)acc[4], (__m256)acc[5]), t3 = _mm256_hadd_ps((__m256)acc[6], (__m256)acc[7]);
+    const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);  // lanes 0-3: halves of keys 0-3, 4-7
+    return (v8f)_mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+#else
+    v8f out;
+    for (int r = 0; r < 8; r++) out[r] = hsum8(acc[r]);
+    return out;
+#endif
+}
+
+// o += p · v over D floats
+static inline void axpy(float* o, float p, const float* v, int64_t D) {
+    int64_t i = 0;
+    for (; i + 8 <= D; i += 8) store8(o + i, load8(o + i) + p * load8(v + i));
+    for (; i < D; i++) o[i] += p * v[i];
+}
+
+// below e^-64 of the largest a weight is 0: it cannot move a sum of weights ≥ 1 (float's epsilon is
+// e^-16), and the subnormal products it would make cost a hundred cycles each
+#define NEGLIGIBLE (-64.0f)
+
+// e^x for 8 values x ≤ 0 at once (a softmax's weights), within about 1 ulp (measured over [-64, 0]);
+// below NEGLIGIBLE (and -inf, NaN), 0.
+// x = n ln2 + r, |r| ≤ ln2 / 2: e^r by Cephes' polynomial, 2^n put in the exponent bits.
+typedef int32_t v8i __attribute__((vector_size(32)));
+
+static inline v8f exp8(v8f x) {
+    const v8i keep = x >= NEGLIGIBLE;      // lanes of -1 (kept) or 0
+    x = (v8f)((v8i)x & keep);              // e^0 computed where the weight is 0 anyway: no overflow
+    const float magic = 12582912.0f;       // 1.5 · 2^23: adding it rounds to an integer
+    const v8f n = (x * 1.44269504f + magic) - magic;
+    const v8f r = (x - n * 0.693359375f) + n * 2.12194440e-4f;  // ln 2 in two parts: r exact enough
+    v8f p = r * 1.9875691500e-4f + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    const v8f y = p * r * r + r + 1.0f;
+    const v8i exponent = (__builtin_convertvector(n, v8i) + 127) << 23;  // 2^n, n ≥ -93 here: a normal float
+    return (v8f)((v8i)(y * (v8f)exponent) & keep);
+}
+
+static void attend_items(void* ctx, uint32_t begin, uint32_t end) {
+    const Attend* a = ctx;
+    const Layer* L = a->layer;
+    const Step* S = a->step;
+    const int64_t D = L->head_dim, H = L->heads, Hkv = L->kv_heads, group = H / Hkv;
+    const int64_t qkv_row = (H + 2 * Hkv) * D, bs = S->block_size, stride = S->max_keys;
+    const float scale = L->qk_scale;
+    float kbuf[MAX_HEAD_DIM], vbuf[MAX_HEAD_DIM], kbuf8[8 * MAX_HEAD_DIM];
+    for (uint32_t item = begin; item < end; item++) {
+        const int64_t b = item / a->chunks, c = item % a->chunks, n = S->num_keys[b], first = S->first_key[b];
+        const int64_t start = c * CHUNK_KEYS, hi = start + CHUNK_KEYS < n ? start + CHUNK_KEYS : n;
+        if (start >= n || hi <= first) continue;  // past this sequence's keys, or before its window (merge skips it)
+        const int64_t lo = start > first ? start : first;  // a window may begin inside the chunk
+        const int64_t* table = S->block_tables + b * S->table_stride;
+        const float* q = a->qkv + b * qkv_row;       // H query heads, kv head g's group at g · group
+        float* scores = a->scores + b * H * stride;  // row h: head h's scores
+        float* partial = a->partial + (b * a->chunks + c) * H * (D + 2);
+
+        // scores: every key decoded once, dotted with each query head of its kv head's group; eight
+        // keys at a time (D a multiple of 8), then one by one
+        int64_t t = lo;
+        if (D % 8 == 0)
+            for (; t + 8 <= hi; t += 8) {
+                int64_t slots[8];
+                for (int r = 0; r < 8; r++) slots[r] = slot_of(table, t + r, bs);
+                const int64_t ahead = t + 8 + PREFETCH_AHEAD < hi ? t + 8 + PREFETCH_AHEAD : -1;
+                for (int64_t g = 0; g < Hkv; g++) {
+                    if (ahead >= 0)
+                        for (int r = 0; r < 8; r++)
+                            prefetch_vector(&S->k, slot_of(table, ahead + r, bs) * Hkv + g, D);
+                    const float* k[8];
+                    for (int r = 0; r < 8; r++) k[r] = decode_vector(&S->k, slots[r] * Hkv + g, D, kbuf8 + r * D);
+                    for (int64_t h = g * group; h < (g + 1) * group; h++)
+                        store8(scores + h * stride + t, dot8(q + h * D, k, D) * scale);
+                }
+            }
+        for (; t < hi; t++) {
+            const int64_t slot = slot_of(table, t, bs), ahead = t + PREFETCH_AHEAD;
+            const int64_t slot_ahead = ahead < hi ? slot_of(table, ahead, bs) : -1;
+            for (int64_t g = 0; g < Hkv; g++) {
+                if (slot_ahead >= 0) prefetch_vector(&S->k, slot_ahead * Hkv + g, D);
+                const float* k = decode_vector(&S->k, slot * Hkv + g, D, kbuf);
+                for (int64_t h = g * group; h < (g + 1) * group; h++)
+                    scores[h * stride + t] = dot(q + h * D, k, D) * scale;
+            }
+        }
+        // each head's weights over the chunk, relative to the chunk's largest score
+        for (int64_t h = 0; h < H; h++) {
+            float* s = scores + h * stride;
+            float top = -INFINITY, sum = 0.0f;
+            for (int64_t t = lo; t < hi; t++) top = s[t] > top ? s[t] : top;
+            int64_t t = lo;
+            v8f sums = {0};
+            for (; t + 8 <= hi; t += 8) {
+                const v8f e = exp8(load8(s + t) - top);
+                store8(s + t, e);
+                sums += e;
+            }
+            sum = hsum8(sums);
+            for (; t < hi; t++) {
+                s[t] = s[t] - top < NEGLIGIBLE ? 0.0f : expf(s[t] - top);
+                sum += s[t];
+            }
+            float* part = partial + h * (D + 2);
+            part[0] = top;
+            part[1] = sum;
+            memset(part + 2, 0, D * sizeof(float));
+        }
+        // the weighted sum of the values: every value decoded once, added to each head of its group;
+        // eight values at a time (each head's output read and written once per eight), then one by one
+        t = lo;
+        if (D % 8 == 0)
+            for (; t + 8 <= hi; t += 8) {
+                int64_t slots[8];
+                for (int r = 0; r < 8; r++) slots[r] = slot_of(table, t + r, bs);
+                const int64_t ahead = t + 8 + PREFETCH_AHEAD < hi ? t + 8 + PREFETCH_AHEAD : -1;
+                for (int64_t g = 0; g < Hkv; g++) {
+                    if (ahead >= 0)
+                        for (int r = 0; r < 8; r++)
+                            prefetch_vector(&S->v, slot_of(table, ahead + r, bs) * Hkv + g, D);
+                    const float* v[8];
+                    for (int r = 0; r < 8; r++) v[r] = decode_vector(&S->v, slots[r] * Hkv + g, D, kbuf8 + r * D);
+                    for (int64_t h = g * group; h < (g + 1) * group; h++) {
+                        const float* p = scores + h * stride + t;
+                        float* o = partial + h * (D + 2) + 2;
+                        for (int64_t i = 0; i + 8 <= D; i += 8) {
+                            v8f acc = load8(o + i);
+                            for (int r = 0; r < 8; r++) acc += p[r] * load8(v[r] + i);
+                            store8(o + i, acc);
+                        }
+                    }
+                }
+            }
+        for (; t < hi; t++) {
+            const int64_t slot = slot_of(table, t, bs), ahead = t + PREFETCH_AHEAD;
+            const int64_t slot_ahead = ahead < hi ? slot_of(table, ahead, bs) : -1;
+            for (int64_t g = 0; g < Hkv; g++) {
+                if (slot_ahead >= 0) prefetch_vector(&S->v, slot_ahead * Hkv + g, D);
+                const float* v = decode_vector(&S->v, slot * Hkv + g, D, vbuf);
+                for (int64_t h = g * group; h < (g + 1) * group; h++)
+                    axpy(partial + h * (D + 2) + 2, scores[h * stride + t], v, D);
+            }
+        }
+    }
+}
+
+// Each head's output from its chunks: Σ_c e^(m_c − m) · o_c / Σ_c e^(m_c − m) · l_c (m the largest
+// m_c), rotated back when the cache holds rotated values (a sum of rotated values; H · H = I).
+static void merge(const Attend* a) {
+    const Layer* L = a->layer;
+    const Step* S = a->step;
+    const int64_t D = L->head_dim, H = L->heads;
+    for (int64_t b = 0; b < S->batch; b++) {
+        const int64_t used = num_chunks(S->num_keys[b]), skipped = S->first_key[b] / CHUNK_KEYS;
+        for (int64_t h = 0; h < H; h++) {
+            const float* part = a->partial + b * a->chunks * H * (D + 2) + h * (D + 2);
+            const int64_t step = H * (D + 2);  // from one chunk's partials to the next one's
+            float top = -INFINITY, sum = 0.0f;
+            for (int64_t c = skipped; c < used; c++) top = part[c * step] > top ? part[c * step] : top;
+            float* o = a->out + b * H * D + h * D;
+            memset(o, 0, D * sizeof(float));
+            for (int64_t c = skipped; c < used; c++) {
+                const float* pc = part + c * step;
+                if (pc[0] - top < NEGLIGIBLE) continue;
+                const float w = pc[0] == top ? 1.0f : expf(pc[0] - top);
+                sum += w * pc[1];
+                axpy(o, w, pc + 2, D);
+            }
+            const float inv = 1.0f / sum;
+            for (int64_t i = 0; i < D; i++) o[i] *= inv;
+            if (S->rotate_v) kvlab_kv_hadamard(o, D);
+        }
+    }
+}
+
+void kvlab_decode_attention(const Layer* L, const Step* S, const float* qkv, float* out, float* scores, float* partial,
+                            int threads) {
+    const int64_t chunks = num_chunks(S->max_keys);
+    Attend a = {L, S, qkv, out, scores, partial, chunks};
+    kvlab_pool_run(attend_items, &a, (uint32_t)(S->batch * chunks), 1, threads);
+    merge(&a);
+}

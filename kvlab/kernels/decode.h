@@ -1,0 +1,104 @@
+// The decode step's shared description (decode.c, attention.c): a layer as the modules describe it
+// (kvlab/backends/cpu.py fills these structs; kernels/decode.py declares the same fields and checks
+// their sizes against kvlab_decode_struct_sizes at load), the step's per-pass inputs, and the other
+// kernels of the library the step calls.
+
+#ifndef KVLAB_DECODE_H
+#define KVLAB_DECODE_H
+
+#include <stdint.h>
+
+#include "kv_codec.h"
+
+// the library's other kernels (gemv.c, quant.c, kvlab/parallel/allreduce.c)
+void kvlab_gemv_f32(const float* w, const float* x, const float* bias, float* y, int64_t m, int64_t n, int64_t out,
+                    int threads);
+void kvlab_gemv_bf16(const uint16_t* w, const float* x, const float* bias, float* y, int64_t m, int64_t n,
+                     int64_t out, int threads);
+void kvlab_gemv_f16(const _Float16* w, const float* x, const float* bias, float* y, int64_t m, int64_t n,
+                    int64_t out, int threads);
+int kvlab_shm_allreduce(uint8_t* segment, int rank, int world, int64_t capacity, float* data, int64_t n, int64_t seq,
+                        double timeout_s);
+int kvlab_quant_matmul(int fmt, const uint8_t* w, int64_t ldw, const float* x, float* y, int64_t m, int64_t n,
+                       int64_t ldy, int64_t out, int threads);
+void kvlab_rms_norm_f32(const float* x, const float* w, float* y, int64_t rows, int64_t n, float eps);
+void kvlab_rope_f32(float* x, const float* cos, const float* signed_sin, int64_t tokens, int64_t heads, int64_t d,
+                    int64_t token_stride);
+
+#define MAX_PARTS 3
+
+// One matrix of a linear layer: a float matrix (kind FLOAT_*, one part, row-major [rows, n]) or the
+// blocks of a GGUF format (kind BLOCKS, `fmt` a quant.c id, `ldw` bytes per row).
+enum { FLOAT32 = 0, BFLOAT16 = 1, FLOAT16 = 2, BLOCKS = 3 };
+
+typedef struct {
+    int32_t kind, fmt;
+    const void* w;
+    int64_t ldw, rows;
+} Part;
+
+typedef struct {
+    int32_t num_parts;
+    Part parts[MAX_PARTS];
+    const float* bias;  // [out] or NULL
+    int64_t in, out;
+} Linear;
+
+enum { ACT_SILU = 0, ACT_GELU_TANH = 1, ACTIVATIONS = 2 };  // the gated MLP's activation of its gate
+
+
+// A tensor-parallel rank's all-reduce after its row-parallel products (o, down), over the shared-memory
+// segment of allreduce.c: the same call, and the same call counter, as kvlab/parallel/shm.py's.
+typedef struct {
+    uint8_t* segment;
+    int32_t rank, world;
+    int64_t capacity;  // floats per rank's slot
+    int64_t* calls;    // the calls made so far, shared with Python's (each call's number is its sequence)
+    double timeout_s;
+} Reduce;
+
+// One decoder layer as the model's modules describe it (kernels/decode.py builds it from them; the
+// struct is written once, here, and Python checks its size against its own at load).
+typedef struct {
+    int64_t hidden, heads, kv_heads, head_dim, intermediate;
+    float eps;
+    float qk_scale;                             // scores = q · k · qk_scale (1/sqrt(D), or the model's)
+    int32_t activation;                         // ACT_*
+    int64_t window;                             // 0: every key; W: the query and the W − 1 keys before it
+    const float *attn_norm, *mlp_norm;          // [hidden]: before attention, before the MLP
+    const float *attn_out_norm, *mlp_out_norm;  // [hidden]: on their outputs (Gemma's sandwich), or NULL
+    const float *q_norm, *k_norm;               // [head_dim], or NULL
+    Linear qkv, o, gate_up, down;
+    const Reduce* reduce;                       // a tensor-parallel rank: o's and down's sums over ranks; or NULL
+} Layer;
+
+typedef struct {
+    int64_t batch;                       // B sequences, one new token each
+    const float *cos, *signed_sin;       // [B, head_dim]: each token's RoPE angles (kvlab/model/rope.py)
+    KVStore k, v;                        // this layer's keys and values, each in its format
+    int64_t block_size;
+    const int64_t* slots;                // [B]: where each new token's K/V goes
+    const int64_t* block_tables;         // [B, table_stride]
+    int64_t table_stride;
+    const int64_t* num_keys;             // [B]: keys in each sequence's table, its new token included
+    const int64_t* first_key;            // [B]: the first of them the layer's window shows (0 without one)
+    int64_t max_keys;
+    float* scratch;                      // kvlab_decode_scratch_floats(...) floats
+    int32_t rotate_k, rotate_v;          // keys / values stored Hadamard-rotated (KVFormats.rotate_k, _v)
+} Step;
+
+// Attention splits each sequence's keys into chunks of CHUNK_KEYS (a fixed size, so that no value
+// depends on the thread count): one work item per (sequence, chunk), every head at once. Each item
+// leaves, per query head, its chunk's largest score, sum of weights and weighted sum of values; the
+// chunks are then merged (flash-decoding). At one sequence and a long context that keeps every thread
+// busy, whatever the number of kv heads, and each item reads whole blocks of the cache in order.
+#define CHUNK_KEYS 128
+
+static inline int64_t num_chunks(int64_t max_keys) { return (max_keys + CHUNK_KEYS - 1) / CHUNK_KEYS; }
+
+// Attention of a decode step (attention.c): q (after RoPE) against every key each sequence's window
+// shows, out [B, H·D] the heads' outputs; scores and partial are scratch (kvlab_decode_scratch_floats)
+void kvlab_decode_attention(const Layer* L, const Step* S, const float* qkv, float* out, float* scores, float* partial,
+                            int threads);
+
+#endif
