@@ -6,6 +6,7 @@ threads and dtype. `generate_cli.py` (run) and `chat_cli.py` (chat) both build o
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 
 from kvlab.errors import KvlabError
@@ -172,9 +173,8 @@ def check_model_args(args, resolve_dtype: bool = True) -> None:
 
 def open_llm(args, **overrides):
     """An LLM (the serving engine inside) from the model and engine flags."""
-    from kvlab.llm import LLM
-
     check_model_args(args, resolve_dtype=False)  # the loader resolves "auto" from the one parse of the file
+    from kvlab.llm import LLM  # torch: only once the flags are known to be good
     options = {**engine_options(args), **overrides}
     return LLM(
         args.model,
@@ -192,9 +192,8 @@ def open_llm(args, **overrides):
 
 def open_llm_advised(args):
     """open_llm, then `kvlab quality`'s word on a lossy setting for this model (one line on stderr)."""
-    from kvlab.quality.store import advice
-
     llm = open_llm(args)
+    from kvlab.quality.store import advice
     note = advice(str(args.model), llm.loaded.path, llm.engine.pool_plan.formats,
                   getattr(args, "dequantize", False), getattr(args, "quantization", None))  # fmt: skip
     if note and llm.group.is_leader:
@@ -202,13 +201,16 @@ def open_llm_advised(args):
     return llm
 
 
+DEVICE = re.compile(r"(cpu|cuda|mps|xpu)(:\d+)?")  # the torch device types kvlab may be asked for
+
+
 def check_device(device: str) -> None:
+    """A device kvlab can run on, or one line: judged from the name first (no torch for a typo)."""
+    if not DEVICE.fullmatch(str(device).strip()):
+        raise KvlabError(f"unknown device '{device}': use cpu, cuda or cuda:N")
     import torch
 
-    try:
-        dev = torch.device(device)
-    except RuntimeError:
-        raise KvlabError(f"unknown device '{device}': use cpu, cuda or cuda:N") from None
+    dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise KvlabError("--device cuda asked for, but torch sees no CUDA device here")
 

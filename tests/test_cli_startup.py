@@ -53,6 +53,7 @@ def kvlab(tmp_path, *args) -> tuple[int, str, list[str], list[str]]:
         (["show", "no-such-model"], ["unknown model 'no-such-model'"]),
         (["pull", "no-such-model"], ["unknown model 'no-such-model'"]),
         (["rm", "smollm2-135m"], ["smollm2-135m is not pulled"]),
+        (["run", "smollm2-135m", "hi", "--device", "tpu9"], ["unknown device 'tpu9'"]),
     ],
 )
 def test_errors_are_one_line_exit_2_and_never_import_torch(tmp_path, args, words):
