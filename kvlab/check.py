@@ -19,29 +19,7 @@ differ). Exit code 0 when every comparison agrees, 1 when one does not.
 
 from __future__ import annotations
 
-import sys
-from dataclasses import dataclass
-
 from kvlab.errors import KvlabError
-
-BATCHES = (1, 16)
-
-
-@dataclass
-class Comparison:
-    path: str  # "modules", "cpu-c"
-    kv: str
-    batch: int
-    against: str  # what it was compared with
-    agree: bool  # the greedy tokens of every prompt
-    first_difference: int | None  # the earliest position (generated token) where some prompt's differ
-    max_logit_diff: float  # largest |Δ logit| before the first difference
-
-    def row(self) -> str:
-        tokens = "same" if self.agree else f"differ from token {self.first_difference}"
-        return (f"  {self.path:8} {self.kv:9} {self.batch:5}   {self.against:22} {tokens:24} "
-                f"{self.max_logit_diff:.2e}")  # fmt: skip
-
 
 def register(subparsers) -> None:
     p = subparsers.add_parser(
@@ -82,18 +60,3 @@ def cmd_check(args) -> int:
 
     comparisons = run_checks(args, formats)
     return 0 if all(c.agree for c in comparisons) else 1
-
-
-def print_table(title: str, comparisons: list[Comparison], notes: list[str], file=None) -> None:
-    file = file or sys.stdout
-    print(title, file=file)
-    print(f"  {'path':8} {'KV':9} {'batch':>5}   {'against':22} {'greedy tokens':24} max |Δ logit|", file=file)
-    for c in comparisons:
-        print(c.row(), file=file)
-    for note in notes:
-        print(f"  {note}", file=file)
-    if any(c.against.startswith("modules") for c in comparisons):
-        print("  (with a lossy format a last-bit difference upstream can round a stored code the other way: the "
-              "logits may differ by a code's worth; the tokens must agree)", file=file)  # fmt: skip
-    bad = [c for c in comparisons if not c.agree]
-    print(f"  {'every path agrees' if not bad else f'{len(bad)} comparison(s) differ'}", file=file)

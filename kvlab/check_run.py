@@ -6,10 +6,10 @@
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass
 
 import torch
 
-from kvlab.check import BATCHES, Comparison, print_table
 from kvlab.config import EngineConfig
 from kvlab.engine import LLMEngine
 from kvlab.kernels import ThreadPolicy
@@ -20,6 +20,23 @@ from kvlab.sampling import SamplingParams
 from kvlab.tokenizer import load_tokenizer
 
 Run = dict[int, tuple[list[int], torch.Tensor]]
+BATCHES = (1, 16)  # batch sizes each path runs at (the prompts together, or one at a time)
+
+
+@dataclass
+class Comparison:
+    path: str  # "modules", "cpu-c"
+    kv: str
+    batch: int
+    against: str  # what it was compared with
+    agree: bool  # the greedy tokens of every prompt
+    first_difference: int | None  # the earliest position (generated token) where some prompt's differ
+    max_logit_diff: float  # largest |Δ logit| before the first difference
+
+    def row(self) -> str:
+        tokens = "same" if self.agree else f"differ from token {self.first_difference}"
+        return (f"  {self.path:8} {self.kv:9} {self.batch:5}   {self.against:22} {tokens:24} "
+                f"{self.max_logit_diff:.2e}")  # fmt: skip
 
 
 def run_checks(args, formats: list[str]) -> list[Comparison]:
@@ -123,3 +140,18 @@ def _compare(path: str, kv: str, batch: int, against: str, mine: Run, theirs: Ru
         if same is not None:
             first = same if first is None else min(first, same)
     return Comparison(path, kv, batch, against, first is None, first, worst)
+
+
+def print_table(title: str, comparisons: list[Comparison], notes: list[str], file=None) -> None:
+    file = file or sys.stdout
+    print(title, file=file)
+    print(f"  {'path':8} {'KV':9} {'batch':>5}   {'against':22} {'greedy tokens':24} max |Δ logit|", file=file)
+    for c in comparisons:
+        print(c.row(), file=file)
+    for note in notes:
+        print(f"  {note}", file=file)
+    if any(c.against.startswith("modules") for c in comparisons):
+        print("  (with a lossy format a last-bit difference upstream can round a stored code the other way: the "
+              "logits may differ by a code's worth; the tokens must agree)", file=file)  # fmt: skip
+    bad = [c for c in comparisons if not c.agree]
+    print(f"  {'every path agrees' if not bad else f'{len(bad)} comparison(s) differ'}", file=file)

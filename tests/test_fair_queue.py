@@ -10,8 +10,9 @@ from __future__ import annotations
 from kvlab.kv.manager import KVCacheManager
 from kvlab.request import Request, RequestStatus
 from kvlab.sampling import SamplingParams
-from kvlab.scheduler import Scheduler, SchedulerConfig, StepResult
+from kvlab.scheduler import Scheduler, SchedulerConfig
 from kvlab.scheduler.fair import admission_order, seat_victims, water_fill
+from test_scheduler import shape, step  # the same plan helpers (tests/ is on the path: conftest.py)
 
 
 def make(num_blocks=256, block_size=4, max_num_seqs=4, budget=32, fair=True):
@@ -24,16 +25,6 @@ def make(num_blocks=256, block_size=4, max_num_seqs=4, budget=32, fair=True):
 def req(rid: str, prompt_len: int, max_tokens: int = 4, first: int = 100, client: str | None = None) -> Request:
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     return Request(rid, list(range(first, first + prompt_len)), params, max_tokens=max_tokens, client_id=client)
-
-
-def step(s: Scheduler):
-    plan = s.schedule()
-    s.update(plan, StepResult({c.request.request_id: [7] for c in plan.chunks if c.samples}))
-    return plan
-
-
-def shape(plan) -> list[tuple[str, int, int]]:
-    return [(c.request.request_id, c.start, c.num_new_tokens) for c in plan.chunks]
 
 
 def run_out(s: Scheduler) -> None:

@@ -59,6 +59,7 @@ class CpuDecodeBackend:
         self.model, self.layers, self.lib = model, layers, lib
         self._keep = keep  # tensors the descriptions point at that the model does not hold (1 + w)
         self._checked: dict[int, str | None] = {}  # id(cache) → cache_reason, asked once per cache
+        self.kv_ids = kv_format_ids()  # decode.c's id of each KV storage format, asked once
         attns = [layer.attn for layer in model.layers]
         c = model.config
         self.geometry = (c.hidden_size, max(a.num_heads for a in attns), max(a.num_kv_heads for a in attns),
@@ -124,8 +125,7 @@ class CpuDecodeBackend:
         groups = [_GroupView(cache, g, view, positions) for g, view in enumerate(meta.kv_groups)]
         max_keys = max(v.max_keys for v in groups)
         scratch = torch.empty(self.lib["scratch_floats"](B, *self.geometry, max_keys))
-        ids = kv_format_ids()
-        k_fmt, v_fmt = ids[unrotated(cache.formats.k).name], ids[unrotated(cache.formats.v).name]
+        k_fmt, v_fmt = self.kv_ids[unrotated(cache.formats.k).name], self.kv_ids[unrotated(cache.formats.v).name]
         step = StepDesc(B, None, None, KVStore(), KVStore(), cache.block_size, None, None, 0, None, None, max_keys,
                         scratch.data_ptr(), int(cache.formats.rotate_k), int(cache.formats.rotate_v))  # fmt: skip
         angles = {}  # one cos/sin lookup per rotary table: [B, D] each
@@ -166,8 +166,10 @@ class _GroupView:
         group = view.groups[0]
         bs, window = cache.block_size, cache.layout.groups[g].window
         self.positions = positions
-        first_block = torch.tensor([window_start(window, p) // bs for p in positions.tolist()])  # [B]
-        self.table_start = first_block * bs  # [B]: the position of each table's first key
+        if window is None:  # the tables start at key 0
+            self.table_start = torch.zeros_like(positions)  # [B]: the position of each table's first key
+        else:
+            self.table_start = torch.tensor([window_start(window, p) // bs * bs for p in positions.tolist()])
         self.num_keys = (positions + 1 - self.table_start).contiguous()  # [B]
         self.tables = group.block_tables.contiguous()
         self.slot_mapping = view.slot_mapping

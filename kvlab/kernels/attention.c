@@ -1,9 +1,9 @@
-// Attention of a decode step over the paged cache, straight from its stored codes (decode.h's Step).
+// Attention of a decode step over the paged cache, straight from its stored codes (step.h's Step).
 
 #include <math.h>
 #include <string.h>
 
-#include "decode.h"
+#include "step.h"
 #include "pool.h"
 
 // ---- attention: one work item per (sequence, chunk of keys), every head ------------------------

@@ -29,7 +29,7 @@
 // each head's output, a sum of rotated values, is rotated back once. H is applied as a fast
 // Walsh–Hadamard transform (n log n adds), the same bits as formats.py's.
 //
-// The files: decode.h (the structs, written once), kv_codec.h / kv_codec.c (the KV formats: reading
+// The files: step.h (the structs, written once), kv_codec.h / kv_codec.c (the KV formats: reading
 // inline, writing, the rotation), attention.c (attention over the stored codes), and this one (the
 // layer: norms, products, RoPE, the new K/V written, attention, the MLP, the residuals).
 
@@ -38,7 +38,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "decode.h"
+#include "step.h"
 
 // The activations' names (kvlab/config/layers.py's DenseMLP.activation), by id: Python asks for them
 static const char* const ACT_NAMES[ACTIVATIONS] = {"silu", "gelu_pytorch_tanh"};

@@ -35,7 +35,7 @@ from kvlab.kernels.policy import current
 _SOURCES = [Path(__file__).with_name(name) for name in ("gemv.c", "quant.c", "decode.c", "attention.c", "kv_codec.c",
                                                         "pool.c")]  # fmt: skip
 _SOURCES.append(Path(__file__).parents[1] / "parallel" / "allreduce.c")  # the shared-memory all-reduce, beside its user
-_HEADERS = [Path(__file__).with_name(name) for name in ("pool.h", "decode.h", "kv_codec.h")]
+_HEADERS = [Path(__file__).with_name(name) for name in ("pool.h", "step.h", "kv_codec.h")]
 _FLAGS = ["-O3", "-march=native", "-pthread", "-shared", "-fPIC", "-std=gnu11", "-lm"]
 _MAX_OUT = 2**31  # output rows: the pool numbers work items (4 rows each) in 32 bits
 _NAMES = {torch.float32: "kvlab_gemv_f32", torch.bfloat16: "kvlab_gemv_bf16", torch.float16: "kvlab_gemv_f16"}

@@ -3,8 +3,8 @@
 // their sizes against kvlab_decode_struct_sizes at load), the step's per-pass inputs, and the other
 // kernels of the library the step calls.
 
-#ifndef KVLAB_DECODE_H
-#define KVLAB_DECODE_H
+#ifndef KVLAB_STEP_H
+#define KVLAB_STEP_H
 
 #include <stdint.h>
 
