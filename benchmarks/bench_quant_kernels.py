@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/bench_quant_kernels.py                   # every format, both models' shapes
     .venv/bin/python benchmarks/bench_quant_kernels.py --formats Q4_1 Q8_0 --rows 1 --decode
+    .venv/bin/python benchmarks/bench_quant_kernels.py --rows 1 16 --int8   # and the 8-bit-activation kernels
 
 For each matrix shape of SmolLM2-135M and Qwen2.5-Coder-0.5B ([out, in]: attention, MLP up/gate and
 down, LM head) and 1 and 16 activation rows: median µs per call and GB/s of weight bytes read, for
@@ -76,7 +77,8 @@ def copies(make, nbytes: int, working_set: int) -> list[torch.Tensor]:
     return [make() for _ in range(max(1, -(-working_set // nbytes)))]
 
 
-def kernels_for(out: int, n: int, rows: int, formats: list[str], threads: int, working_set: int) -> list[Kernel]:
+def kernels_for(out: int, n: int, rows: int, formats: list[str], threads: int, working_set: int,
+                int8: bool = False) -> list[Kernel]:
     x, y = torch.randn(rows, n), torch.empty(rows, out)
     f32 = gemv._kernels[torch.float32]
     w = torch.randn(out, n) * 0.02
@@ -92,6 +94,15 @@ def kernels_for(out: int, n: int, rows: int, formats: list[str], threads: int, w
             matmul(fid, m.data_ptr(), m.stride(0), x.data_ptr(), y.data_ptr(), rows, n, out, out, threads)
 
         found.append(Kernel(fmt, copies(blocks.clone, blocks.numel(), working_set), call))
+        if int8:  # the same matrix interleaved for 8-bit activations (--activation-quant int8)
+            from kvlab.quant.linear import PackedTensor
+
+            inter = quant.interleave(PackedTensor(fmt, (out, n), blocks))[1]
+
+            def call8(m, fid=ids[fmt + "x16"]):
+                matmul(fid, m.data_ptr(), 0, x.data_ptr(), y.data_ptr(), rows, n, out, out, threads)
+
+            found.append(Kernel(f"{fmt} i8", copies(inter.clone, inter.numel(), working_set), call8))
     return found
 
 
@@ -110,11 +121,11 @@ def measure(kernels: list[Kernel], repeats: int, sample_s: float) -> dict[str, f
 
 def kernel_table(args) -> list[dict]:
     results = []
-    print(f"{'shape':>20} {'rows':>4} {'kernel':>9} {'µs':>9} {'GB/s':>6} {'vs f32':>7}")
+    print(f"{'shape':>20} {'rows':>4} {'kernel':>9} {'µs':>9} {'GB/s':>6} {'vs f32':>7}")  # GB/s: bytes held
     for model, shapes in SHAPES.items():
         for out, n in shapes:
             for rows in args.rows:
-                kernels = kernels_for(out, n, rows, args.formats, args.threads, args.working_set_mb << 20)
+                kernels = kernels_for(out, n, rows, args.formats, args.threads, args.working_set_mb << 20, args.int8)
                 times = measure(kernels, args.repeats, args.sample_s)
                 base = times["f32 GEMV"]
                 for k in kernels:
@@ -158,6 +169,8 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--sample-s", type=float, default=0.03, help="seconds of calls per sample")
     p.add_argument("--working-set-mb", type=int, default=768, help="MB each kernel cycles through (more than the L3)")
+    p.add_argument("--int8", action="store_true",
+                   help="also each format interleaved for 8-bit activations (--activation-quant int8; '<fmt> i8')")
     p.add_argument("--decode", action="store_true", help="also a whole model's decode, native vs --dequantize")
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--decode-repeats", type=int, default=3)

@@ -51,6 +51,7 @@ def run_chat(args) -> int:
     if llm.tokenizer is None or llm.tokenizer.chat_template is None:
         raise KvlabError(f"{args.model} has no chat template: use `kvlab run MODEL PROMPT` with a raw prompt")
     warn_if_busy(llm, args)
+    resume_conversation(convo, args)
     save_history = line_editing()
     print(f"kvlab chat with {args.model} ({dtype_text(llm, args)} on {args.device}, {threads_text(llm, args)}). "
           "/help for commands; Ctrl-D or /bye leaves.", file=sys.stderr)  # fmt: skip
@@ -80,9 +81,63 @@ def chat_loop(llm, convo: Conversation, args, save_history=lambda: None) -> int:
                 return 0
             if command(text.strip(), llm, convo, args):
                 session = llm.new_session() if session is not None else None
+                keep_conversation(convo, args)
             continue
         if text.strip():
             interrupted = answer(llm, convo, text, session)
+            keep_conversation(convo, args)
+
+
+def conversation_file(args):
+    """Where a chat with --prompt-cache-dir keeps its conversation (one per model), None without the dir:
+    the blocks on disk hold its K/V, this file its text, so a restart prefills only the new turn."""
+    import re
+    from pathlib import Path
+
+    directory = getattr(args, "prompt_cache_dir", None)
+    if not directory:
+        return None
+    name = re.sub(r"[^A-Za-z0-9._-]+", "_", Path(str(args.model)).name) or "model"
+    return Path(directory) / "conversations" / f"{name}.json"
+
+
+def resume_conversation(convo: Conversation, args) -> None:
+    """Take up the conversation kept for this model and system message (--prompt-cache-dir), if any."""
+    import json
+
+    path = conversation_file(args)
+    if path is None or not path.exists():
+        return
+    try:
+        kept = json.loads(path.read_text())
+        turns = [{"role": str(t["role"]), "content": str(t["content"])} for t in kept["turns"]]
+    except (OSError, ValueError, KeyError, TypeError):
+        print(f"kvlab: {path} is not a conversation kvlab kept: starting a new one", file=sys.stderr)
+        return
+    if kept.get("system") != convo.system or not turns:
+        return
+    convo.turns[:] = turns
+    print(f"(resuming the conversation of {len(turns)} messages kept in {path}; /clear starts a new one)",
+          file=sys.stderr)  # fmt: skip
+
+
+def keep_conversation(convo: Conversation, args) -> None:
+    """Write the conversation beside the prompt cache's blocks (atomically; a failure is one line, once)."""
+    import json
+    import os
+
+    path = conversation_file(args)
+    if path is None:
+        return
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps({"system": convo.system, "turns": convo.turns}, ensure_ascii=False))
+        os.replace(tmp, path)
+    except OSError as e:
+        if not getattr(args, "_conversation_unsaved", False):
+            args._conversation_unsaved = True
+            print(f"kvlab: cannot keep the conversation in {path}: {e.strerror or e}", file=sys.stderr)
 
 
 def read_message(ask) -> str:
@@ -135,7 +190,8 @@ def answer(llm, convo: Conversation, text: str, session) -> bool:
 
 def turn_report(out, stopped: bool) -> str:
     m = out.metrics
-    line = (f"[prefilled {m.prefill_tokens} new tokens, {m.cached_prompt_tokens} reused from the cache; "
+    disk = f" ({m.cached_prompt_tokens_disk} from disk)" if m.cached_prompt_tokens_disk else ""
+    line = (f"[prefilled {m.prefill_tokens} new tokens, {m.cached_prompt_tokens} reused from the cache{disk}; "
             f"TTFT {m.ttft_s * 1000:.0f} ms; decode {m.decode_tok_s:.1f} tok/s; "
             f"KV cache {m.kv_cache_bytes / 2**20:.2f} MiB]")  # fmt: skip
     spec = m.spec_decoding

@@ -20,6 +20,7 @@ from kvlab.config import EngineConfig
 from kvlab.errors import KvlabError
 from kvlab.kernels import ThreadPolicy
 from kvlab.kv.manager import KVLedger
+from kvlab.kv.prompt_cache import PromptCache
 from kvlab.model.loader import LoadedModel
 from kvlab.output.group import RequestGroup
 from kvlab.output.processor import OutputState, StepOutput
@@ -64,6 +65,8 @@ class LLMEngine:
         # speculative decoding (spec_decode/): the runner's proposer drafts, its sampling verifies
         self.runner.spec = SpecDecoder.create(config.speculative_config, loaded, tokenizer, config, pipeline)
         self.stats = EngineStats()
+        # the prefix cache's disk tier (--prompt-cache-dir, kv/prompt_cache.py); None: memory only
+        self.prompt_cache = PromptCache.create(config, loaded, self.cache, self.kv)
         self._states: dict[str, tuple[Request, OutputState]] = {}  # per sequence (a request, or one of its choices)
         self._groups: dict[str, RequestGroup] = {}  # per request id: its choices
         self._ids = itertools.count()
@@ -136,7 +139,8 @@ class LLMEngine:
         output.request_id = request_id
         group = self._groups[request_id] = RequestGroup.new(output, params, request_id)
         self._states[request_id] = (request, OutputState(request, self.tokenizer, output, group.choice(0)))
-        self.scheduler.add_request(request)
+        if self.prompt_cache is None or not self.prompt_cache.hold(request):  # held: its blocks are read first
+            self.scheduler.add_request(request)
         return request_id
 
     def abort_request(self, request_id: str) -> StepOutput | None:
@@ -145,6 +149,8 @@ class LLMEngine:
         group = self._groups.get(request_id)
         if group is None:
             return None
+        if self.prompt_cache is not None and (held := self.prompt_cache.cancel(request_id)) is not None:
+            self.scheduler.add_request(held)  # where finish_request looks for it
         out = None
         for seq_id in sorted(group.live):
             if seq_id not in self._states:  # lost in a step that failed while finalizing it
@@ -162,7 +168,7 @@ class LLMEngine:
 
     @property
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests
+        return self.scheduler.has_unfinished_requests or bool(self.prompt_cache and self.prompt_cache.num_held)
 
     @property
     def num_running(self) -> int:
@@ -170,7 +176,7 @@ class LLMEngine:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.scheduler.waiting)
+        return len(self.scheduler.waiting) + (self.prompt_cache.num_held if self.prompt_cache else 0)
 
     # ---- one step ------------------------------------------------------------------------------------
 
@@ -183,6 +189,8 @@ class LLMEngine:
         plan = None
         try:
             t0 = time.perf_counter()
+            if self.prompt_cache is not None:  # 0. requests whose blocks came back from disk (kv/prompt_cache.py)
+                self._admit_restored()
             plan = self.scheduler.schedule()  # 1. which requests, how many tokens each
             t1 = time.perf_counter()
             if not plan.chunks:
@@ -192,6 +200,8 @@ class LLMEngine:
             tokens = step.tokens
             outputs = [o for r, e in step.failed if self.has_request(r.group_id) and (o := self._fail(r, e)) is not None]
             outputs += self._update(plan, tokens, step_s=t4 - t0)  # 5. append, stop, detokenize
+            if self.prompt_cache is not None:  # the blocks this step filled, copied out for the disk's writer
+                self.prompt_cache.save_new_blocks()
             t5 = time.perf_counter()
         except RankFailed:
             raise  # another rank of a tensor-parallel job is gone: no request can go on (kvlab/parallel)
@@ -210,6 +220,20 @@ class LLMEngine:
         except Exception as error:
             return outputs + self._fail_step(None, error)
         return outputs
+
+    def _admit_restored(self) -> None:
+        """Hand the scheduler the held requests whose disk reads are done; wait a little for one only when
+        nothing else would run (a read never stalls other requests' steps)."""
+        self.prompt_cache.save_new_blocks()  # blocks a failed step registered: intact until this step allocates
+        idle = not self.scheduler.has_unfinished_requests
+        for request in self.prompt_cache.ready(wait_s=0.05 if idle else 0.0):
+            self.scheduler.add_request(request)
+
+    def close(self) -> None:
+        """Write the disk tier's queued blocks and stop its threads (nothing to do without one)."""
+        if self.prompt_cache is not None:
+            self.prompt_cache.save_new_blocks()
+            self.prompt_cache.close()
 
     @property
     def spec(self):
@@ -324,6 +348,7 @@ class LLMEngine:
         m.prefill_shared_steps, m.decode_steps = t.prefill_shared_steps, t.decode_steps
         m.mean_decode_batch = t.decode_batch_sum / t.decode_steps if t.decode_steps else 0.0
         m.num_preemptions = request.num_preemptions
+        m.cached_prompt_tokens_disk = self.prompt_cache.disk_tokens(request) if self.prompt_cache else 0
         if self.spec is not None:
             m.spec_decoding = self.spec.report(request.spec_stats or SpecDecodingStats()).to_dict()
         held = request.num_computed_tokens if self.config.use_cache else 0
@@ -340,6 +365,8 @@ class LLMEngine:
         self._fill_metrics(request, output)
         output.metrics.peak_memory_bytes = peak_memory_bytes(self.cache.device)
         self.runner.release(request.request_id)
+        if self.prompt_cache is not None:
+            self.prompt_cache.forget(request)
         if self.spec is not None:
             self.spec.release(request.request_id)
         del self._states[request.request_id]

@@ -21,10 +21,18 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="expand a GGUF file's quantized blocks to --dtype floats at load (default: compute with them)")
     g.add_argument("--quantization", choices=["q8_0", "q4_0"],
                    help="quantize a float checkpoint's weights to these GGUF blocks at load")
+    g.add_argument("--activation-quant", choices=["int8"],
+                   help="int8: quantize activations to 8 bits in every product over GGUF blocks, as llama.cpp does "
+                        "(faster, most of all for many sequences at once, but not exact: kvlab quality MODEL "
+                        "--activation-quant int8 measures it; default: exact float32 activations)")  # fmt: skip
     g.add_argument("--device", default="cpu", help="torch device: cpu, cuda, cuda:1, … (default cpu)")
     g.add_argument("--threads", type=int,
                    help="CPU threads (default: one per core, fewer when other programs keep cores busy)")
     g.add_argument("--max-model-len", type=int, help="context length to allow (default: the model's)")
+    g.add_argument("--rope-scaling", metavar="JSON",
+                   help='replace the model\'s RoPE scaling, as a config.json rope_scaling block: \'{"rope_type": '
+                        '"yarn", "factor": 2.0, "original_max_position_embeddings": 8192}\' lets the context run to '
+                        "original × factor tokens (vLLM's --hf-overrides, llama.cpp's --rope-scaling yarn)")  # fmt: skip
     g.add_argument("--no-cache", action="store_true", help="recompute the whole sequence every step (slow)")
     add_engine_args(p)
 
@@ -40,6 +48,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-batched-tokens", type=int, default=512,
                    help="tokens through the model per step; longer prompts are prefilled in chunks (default 512)")  # fmt: skip
     g.add_argument("--no-prefix-caching", action="store_true", help="do not reuse K/V of earlier prompts")
+    g.add_argument("--prompt-cache-dir", metavar="DIR",
+                   help="keep the prefix cache's full blocks as files in DIR too: a later process (or a request whose "
+                        "blocks memory evicted) reads them back instead of prefilling them again (default: off)")  # fmt: skip
+    g.add_argument("--prompt-cache-size", metavar="SIZE",
+                   help="most bytes --prompt-cache-dir may hold, e.g. 10GiB; the least recently used blocks go "
+                        "first (default 4GiB)")  # fmt: skip
     add_kv_cache_args(p)
     add_speculative_args(p)
 
@@ -101,7 +115,21 @@ def engine_options(args) -> dict:
         cache_type_v=args.cache_type_v,
         kv_rotation=args.kv_rotation,
         speculative_config=speculative_config(args),
+        **prompt_cache_options(args),
     )
+
+
+def prompt_cache_options(args) -> dict:
+    """--prompt-cache-dir and --prompt-cache-size, checked (a DIR that cannot be written, a bad size: one line)."""
+    directory, size = getattr(args, "prompt_cache_dir", None), getattr(args, "prompt_cache_size", None)
+    if directory is None:
+        if size is not None:
+            raise KvlabError("--prompt-cache-size needs --prompt-cache-dir")
+        return {}
+    from kvlab.kv.disk_tier import cache_size, check_writable
+
+    check_writable(directory)
+    return dict(prompt_cache_dir=directory, prompt_cache_size=cache_size(size))
 
 
 def speculative_config(args):
@@ -156,6 +184,10 @@ def check_model_args(args, resolve_dtype: bool = True) -> None:
         raise KvlabError(f"--threads must be at least 1, got {args.threads}")
     if args.max_model_len is not None and args.max_model_len < 2:
         raise KvlabError(f"--max-model-len must be at least 2, got {args.max_model_len}")
+    if getattr(args, "rope_scaling", None) is not None:
+        from kvlab.config.rope import parse_rope_scaling
+
+        parse_rope_scaling(args.rope_scaling)  # a typo is one line, before anything loads
     check_device(args.device)
     if hasattr(args, "tensor_parallel_size"):  # under torchrun: before anything slow
         from kvlab.parallel.group import launch_rank
@@ -185,7 +217,9 @@ def open_llm(args, **overrides):
         threads=args.threads,
         dequantize=getattr(args, "dequantize", False),
         quantization=getattr(args, "quantization", None),
+        activation_quant=getattr(args, "activation_quant", None),
         tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
+        rope_scaling=getattr(args, "rope_scaling", None),
         **options,
     )
 
@@ -195,7 +229,8 @@ def open_llm_advised(args):
     llm = open_llm(args)
     from kvlab.quality.store import advice
     note = advice(str(args.model), llm.loaded.path, llm.engine.pool_plan.formats,
-                  getattr(args, "dequantize", False), getattr(args, "quantization", None))  # fmt: skip
+                  getattr(args, "dequantize", False), getattr(args, "quantization", None),
+                  getattr(args, "activation_quant", None))  # fmt: skip
     if note and llm.group.is_leader:
         print(note, file=sys.stderr, flush=True)
     return llm

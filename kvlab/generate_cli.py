@@ -157,6 +157,15 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:.2f} MiB"
 
 
+def reused_line(llm, m) -> str:
+    """The prompt tokens the prefix cache served, split into memory and disk (--prompt-cache-dir)."""
+    disk = m.cached_prompt_tokens_disk
+    line = (f"reused     {m.cached_prompt_tokens:6d} of {m.prompt_tokens} prompt tokens from the prefix cache: "
+            f"{m.cached_prompt_tokens - disk} from memory, {disk} from disk")  # fmt: skip
+    tier = llm.engine.prompt_cache
+    return line + (f" ({tier.describe()})" if tier is not None else "")
+
+
 def print_report(llm, out, args, file) -> None:
     """The phase breakdown printed after every answer."""
     m = out.metrics
@@ -176,6 +185,8 @@ def print_report(llm, out, args, file) -> None:
         f"KV cache   {cache}",
         f"peak memory {m.peak_memory_bytes / 2**20:.0f} MiB",
     ]  # fmt: skip
+    if m.cached_prompt_tokens or llm.engine.prompt_cache is not None:
+        lines.insert(2, reused_line(llm, m))
     if llm.engine.spec is not None:
         lines.append(speculative_line(llm))
     path = llm.engine.decode_path

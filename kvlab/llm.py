@@ -32,6 +32,7 @@ from kvlab.engine import LLMEngine
 from kvlab.errors import KvlabError
 from kvlab.kernels import ThreadPolicy, cpu_load
 from kvlab.model.loader import load_model
+from kvlab.quant.activations import check_activation_quant, with_int8_activations
 from kvlab.output.result import RequestOutput
 from kvlab.parallel.group import TPGroup
 from kvlab.sampling import SamplingParams
@@ -63,17 +64,25 @@ class LLM:
         threads: int | None = None,
         dequantize: bool = False,
         quantization: str | None = None,
+        activation_quant: str | None = None,
         tensor_parallel_size: int = 1,
+        rope_scaling: str | dict | None = None,
         **engine_options: Any,
     ):
         """`threads`: CPU threads of this LLM's passes (its own thread policy; default: torch's count, fewer
         when other programs keep cores busy, see kernels/cpu_load.py; `cpu_load` says what was measured).
         `dequantize`: expand a GGUF file's blocks to `dtype` floats at load (default: compute with them
         as stored). `quantization`: "q8_0" or "q4_0" blocks made from a float checkpoint at load.
+        `activation_quant`: "int8" rounds activations to 8 bits in every product over blocks
+        (kvlab/quant/activations.py: faster, not exact; default None, exact).
         `engine_options` are EngineConfig fields: block_size, kv_memory_bytes, kv_memory_fraction,
-        max_num_seqs, max_num_batched_tokens, enable_prefix_caching, pack_prompts.
+        max_num_seqs, max_num_batched_tokens, enable_prefix_caching, pack_prompts, prompt_cache_dir and
+        prompt_cache_size (the prefix cache's blocks kept on disk too, kv/prompt_cache.py).
         `tensor_parallel_size`: the ranks of the torchrun job this process belongs to (kvlab/parallel;
-        a KvlabError outside torchrun or when WORLD_SIZE differs); 1: a model of its own in this process."""
+        a KvlabError outside torchrun or when WORLD_SIZE differs); 1: a model of its own in this process.
+        `rope_scaling`: a config.json rope_scaling block (dict or JSON) in place of the model's own, e.g.
+        {"rope_type": "yarn", "factor": 2.0}: the context may then run to original × factor tokens
+        (`config.max_position_embeddings` stays the trained length; see `with_rope_scaling`)."""
         if threads is not None and threads < 1:
             raise KvlabError(f"threads must be at least 1, got {threads}")
         self.group = TPGroup.single()
@@ -84,15 +93,24 @@ class LLM:
             self.group = tensor_parallel(tensor_parallel_size, device)
             atexit.register(self.group.close)  # rank 0's shared-memory segment, if close() is never called
             device = self.group.device  # cuda: the rank's own device (LOCAL_RANK)
+        if rope_scaling is not None:  # a bad block is refused before the weights load
+            from kvlab.config.rope import parse_rope_scaling
+
+            rope_scaling = parse_rope_scaling(rope_scaling, "rope_scaling")
         before_load = cpu_load.snapshot() if torch.device(device).type == "cpu" else None
         self.loaded = load_model(model, dtype=dtype, device=device, max_positions=max_model_len,
                                  dequantize=dequantize, quantization=quantization)  # fmt: skip
+        if rope_scaling is not None:
+            self.loaded = with_rope_scaling(self.loaded, rope_scaling, max_model_len)
         # other programs' load on our CPUs while the model loaded: fewer threads when they hold a core
         self.cpu_load = cpu_load.measure(before_load)
         if self.group.world_size > 1:
             from kvlab.parallel import shard_model
 
             self.loaded = shard_model(self.loaded, self.group)  # this rank's shard of every layer
+        if activation_quant is not None:
+            check_activation_quant(activation_quant)
+            self.loaded = with_int8_activations(self.loaded)  # after sharding: each rank repacks its own rows
         default = torch.get_num_threads()
         self.policy = ThreadPolicy(threads=threads or (self.cpu_load.threads_for(default) if self.cpu_load else default))
         self.config = self.loaded.config
@@ -109,7 +127,9 @@ class LLM:
         self._streams: dict[str, TextStream] = {}
 
     def close(self) -> None:
-        """Leave the tensor-parallel job (its process group, the shared-memory segment); nothing for one process."""
+        """Leave the tensor-parallel job (its process group, the shared-memory segment); write the prompt
+        cache's queued blocks (--prompt-cache-dir) and stop its threads."""
+        self.engine.close()
         self.group.close()
 
     # ---- prompts ---------------------------------------------------------------------------
@@ -178,6 +198,18 @@ class LLM:
             if out.finished:
                 stream.done = True
                 del self._streams[out.request_id]
+
+
+def with_rope_scaling(loaded, scaling: str | dict, max_positions: int | None = None):
+    """`loaded` with the rope_scaling block `scaling` in place of the model's own (ModelConfig.with_rope_scaling):
+    its rotary tables rebuilt for `max_positions` (default: the stretched context). The same weights: the
+    model object is changed in place, and the LoadedModel returned carries the new config."""
+    import dataclasses
+
+    config = loaded.config.with_rope_scaling(scaling)
+    loaded.model.config = config
+    loaded.model.build_rotary(max_positions or config.context_limit, loaded.model.device)
+    return dataclasses.replace(loaded, config=config)
 
 
 class TextStream:

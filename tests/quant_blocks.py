@@ -15,7 +15,9 @@ def random_blocks(fmt: str, rows: int, in_features: int, seed: int = 0) -> np.nd
     values, size = GGML_QUANT_SIZES[GGMLQuantizationType[fmt]]
     rng = np.random.default_rng(seed)
     blocks = rng.integers(0, 256, size=(rows * in_features // values, size), dtype=np.uint8)
-    for at in FP16_FIELDS[fmt]:
+    if fmt == "MXFP4":  # an E8M0 exponent first: scales 2^-14 .. 2^-4, like real weights
+        blocks[:, 0] = rng.integers(113, 124, size=blocks.shape[0], dtype=np.uint8)
+    for at in FP16_FIELDS.get(fmt, ()):
         d = (rng.standard_normal(blocks.shape[0]) * 0.01).astype(np.float16)
         blocks[:, at : at + 2] = d.view(np.uint8).reshape(-1, 2)
     return blocks.reshape(rows, -1)

@@ -10,27 +10,29 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvlab.config import bundled_names, load_config
+from kvlab.config import MoE, bundled_names, load_config
 from kvlab.errors import KvlabError
 from kvlab.kv.cache import ContiguousKVCache
 from kvlab.kv.layout import KVLayout
 from kvlab.memory import count_params, kv_bytes, kv_bytes_per_token, weight_bytes, window_bytes_per_token
 from kvlab.model.registry import architecture_of
-from kvlab.model.transformer import Transformer
+from kvlab.model.experts import Experts
+from kvlab.model.transformer import SinkLogits, Transformer
 
 
 def model_facts(model: Transformer) -> list[tuple]:
     """What the built model holds, layer by layer: heads, kv heads, head size, biases, q/k norm, MLP size."""
     return [
         (layer.attn.num_heads, layer.attn.num_kv_heads, layer.attn.head_dim, layer.attn.qkv_proj.bias is not None,
-         layer.attn.q_norm is not None, layer.mlp.intermediate_size)
+         layer.attn.q_norm is not None, layer.mlp.intermediate_size)  # an MoE block's: one expert's width
         for layer in model.layers
     ]  # fmt: skip
 
 
 def config_facts(config) -> list[tuple]:
     return [
-        (m.num_heads, m.kv_heads, m.head_dim, m.qkv_bias, m.qk_norm, layer.mlp.intermediate_size)
+        (m.num_heads, m.kv_heads, m.head_dim, m.qkv_bias, m.qk_norm,
+         layer.mlp.expert_size if isinstance(layer.mlp, MoE) else layer.mlp.intermediate_size)
         for layer in config.layers
         for m in [layer.mixer]
     ]
@@ -44,7 +46,9 @@ def held_params(model: Transformer) -> int:
         if key in seen:  # a tied LM head: the embedding's own table
             continue
         seen.add(key)
-        if hasattr(m, "macs_per_token"):
+        if isinstance(m, (Experts, SinkLogits)):  # every expert, not the top_k a token multiplies with
+            total += sum(t.numel() for t in m.weight_tensors())
+        elif hasattr(m, "macs_per_token"):
             total += m.macs_per_token + (m.bias.numel() if m.bias is not None else 0)
         elif hasattr(m, "shape"):  # a packed embedding
             total += m.shape[0] * m.shape[1]

@@ -26,7 +26,7 @@ from quant_blocks import FP16_FIELDS, oracle, random_blocks
 needs_kernel = pytest.mark.skipif(not quant.available(), reason="no C compiler: the reference dequantization serves")
 
 QUANTIZED = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q4_K", "Q5_K", "Q6_K"]
-ROWS = [1, 3, 16, 32]
+ROWS = [1, 2, 3, 8, 16, 17, 32]
 
 
 def odd_shapes(fmt: str) -> list[tuple[int, int]]:
@@ -105,7 +105,7 @@ def test_results_are_bit_identical_at_any_thread_count_and_batch(fmt):
     one = quant.packed_linear(x, [part], out, threads=1)
     for threads in (2, 3):
         assert torch.equal(quant.packed_linear(x, [part], out, threads=threads), one), threads
-    for rows in (1, 2, 3, 4, 5, 16, 32):
+    for rows in (1, 2, 3, 4, 5, 6, 7, 8, 16, 17, 32):
         assert torch.equal(quant.packed_linear(x[:rows], [part], out, threads=2), one[:rows]), rows
 
 
@@ -195,22 +195,25 @@ def test_dequantize_plain_rows(fmt):
 
 @needs_kernel
 def test_packed_linear_layer_end_to_end():
-    """PackedLinear with the kernels: decode-sized rows through packed_linear, prompt-sized ones through
-    the C dequantization and BLAS; both equal float math on the file's values, the bias added."""
+    """PackedLinear with the kernels: every row count through packed_linear by default (the tiles beat
+    dequantizing for BLAS), prompt-sized ones through the C dequantization and BLAS when the policy says
+    so; both equal float math on the file's values, the bias added."""
     n = 256
     parts = [packed(f, random_blocks(f, rows, n, seed=rows), n) for f, rows in (("Q5_0", 24), ("Q4_K", 8), ("Q8_0", 8))]
     bias = torch.randn(40)
     layer = PackedLinear(parts, bias=bias)
     w = torch.cat([torch.from_numpy(oracle(p.fmt, p.data.numpy(), n)) for p in parts])
     assert quant.available()
-    for rows in (1, 3, 32, 33):
-        x = torch.randn(1, rows, n, generator=torch.Generator().manual_seed(rows))
-        assert quant.applies(x.view(rows, n), layer.formats) == (rows <= 32)
-        y = layer(x)
-        ref = F.linear(x.double(), w.double(), bias.double())
-        assert y.shape == (1, rows, 40) and y.dtype == torch.float32
-        assert (y - ref).abs().max() <= 1e-5 * ref.abs().max(), rows
-        assert layer(x.bfloat16()).dtype == torch.bfloat16
+    for packed_prompts in (True, False):
+        with ThreadPolicy(packed_prompts=packed_prompts).active():
+            for rows in (1, 3, 32, 33, 300):
+                x = torch.randn(1, rows, n, generator=torch.Generator().manual_seed(rows))
+                assert quant.applies(x.view(rows, n), layer.formats) == (packed_prompts or rows <= 32)
+                y = layer(x)
+                ref = F.linear(x.double(), w.double(), bias.double())
+                assert y.shape == (1, rows, 40) and y.dtype == torch.float32
+                assert (y - ref).abs().max() <= 1e-5 * ref.abs().max(), rows
+                assert layer(x.bfloat16()).dtype == torch.bfloat16
     with ThreadPolicy(use_kernels=False).active():
         assert not quant.applies(torch.randn(1, n), layer.formats)
 
@@ -227,7 +230,7 @@ def portable(tmp_path_factory):
     if compiler is None or "avx512f" not in Path("/proc/cpuinfo").read_text(errors="ignore"):
         pytest.skip("no compiler, or no AVX-512 here: the machine's own build is the portable one")
     target = tmp_path_factory.mktemp("portable") / "quant.so"
-    sources = [str(_QUANT_C), str(_QUANT_C.with_name("pool.c"))]
+    sources = [str(_QUANT_C), str(_QUANT_C.with_name("quant_i8.c")), str(_QUANT_C.with_name("pool.c"))]
     flags = ["-O3", "-march=native", "-mno-avx512f", "-pthread", "-shared", "-fPIC", "-std=gnu11"]
     subprocess.run([compiler, *flags, *sources, "-o", str(target), "-lm"], check=True, capture_output=True)
     lib = ctypes.CDLL(str(target))

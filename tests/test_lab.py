@@ -25,6 +25,9 @@ from kvlab.lab.context import ContextResult
 from kvlab.lab.dtype import DtypeResult
 from kvlab.lab.kv_verify import KvVerifyResult
 from kvlab.lab.kv_dtype import KVDtypeResult
+from kvlab.lab.long_context import LongContextResult
+from kvlab.lab.moe import MoeResult
+from kvlab.lab.needle import NeedleResult
 from kvlab.lab.phases import PhasesResult
 from kvlab.lab.plots import PLOTS, nice_log_ticks
 from kvlab.lab.report import verdict_text
@@ -35,6 +38,7 @@ RESULT_TYPES = {
     "phases": PhasesResult, "cache": CacheResult, "roofline": RooflineResult, "dtype": DtypeResult,
     "bits": BitsResult, "context": ContextResult, "attention": AttentionResult, "batching": BatchingResult,
     "kv-verify": KvVerifyResult, "kv-dtype": KVDtypeResult, "speculative": SpecResult,
+    "long-context": LongContextResult, "needle": NeedleResult, "moe": MoeResult,
 }  # fmt: skip
 QUICK = ["--quick", "--threads", "1", "--repeat", "2", "--no-progress"]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

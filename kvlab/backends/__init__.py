@@ -39,20 +39,24 @@ class DecodePath:
 # the MLP activations decode.c computes (asked of it at load: kernels/decode.activation_ids; a test keeps this equal)
 C_STEP_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 C_STEP_MAX_HEAD_DIM = 512
+C_STEP_ROUTINGS = ("softmax_topk", "topk_softmax")  # moe.c's (kernels/decode.py's ROUTINGS)
+C_STEP_EXPERTS = ("silu", "clamped_swiglu")  # moe.c's expert activations (kernels/decode.py's EXPERT_ACTIVATIONS)
 
 
 def expected_decode_path(config) -> DecodePath:
     """What a CPU load of `config` will run decode steps on, from the description alone (no torch: for
     `kvlab show`); the load's own choice (`choose_decode_path`) also checks weights, dtype and cache."""
-    from kvlab.config.layers import Attention, DenseMLP
+    from kvlab.config.layers import Attention, DenseMLP, MoE
 
     for i, layer in enumerate(config.layers):
         mixer, mlp = layer.mixer, layer.mlp
-        if not isinstance(mixer, Attention) or mixer.sinks or mixer.output_gate:
+        if not isinstance(mixer, Attention) or mixer.output_gate or mixer.clip_qkv is not None:
             return DecodePath(None, f"layer {i}: a {type(mixer).__name__} mixer the C step does not compute")
         if mixer.head_dim % 8 or mixer.head_dim > C_STEP_MAX_HEAD_DIM:
             return DecodePath(None, f"layer {i}: head_dim {mixer.head_dim}")
-        if not (isinstance(mlp, DenseMLP) and mlp.gated and mlp.activation in C_STEP_ACTIVATIONS):
+        dense = isinstance(mlp, DenseMLP) and mlp.gated and mlp.activation in C_STEP_ACTIVATIONS
+        moe = isinstance(mlp, MoE) and mlp.routing in C_STEP_ROUTINGS and mlp.activation in C_STEP_EXPERTS
+        if not (dense or moe):
             return DecodePath(None, f"layer {i}: an MLP the C step does not compute")
     return DecodePath(_Named("cpu-c"))
 

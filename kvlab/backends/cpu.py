@@ -28,16 +28,13 @@ import math
 
 import torch
 
+from kvlab.backends.cpu_linear import describe_linear
 from kvlab.kernels import gemv
 from kvlab.kernels.decode import (
-    BLOCKS,
-    FLOAT_KINDS,
     MAX_HEAD_DIM,
-    MAX_PARTS,
     KVStore,
     LayerDesc,
     LinearDesc,
-    Part,
     ReduceDesc,
     StepDesc,
     activation_ids,
@@ -128,6 +125,8 @@ class CpuDecodeBackend:
         k_fmt, v_fmt = self.kv_ids[unrotated(cache.formats.k).name], self.kv_ids[unrotated(cache.formats.v).name]
         step = StepDesc(B, None, None, KVStore(), KVStore(), cache.block_size, None, None, 0, None, None, max_keys,
                         scratch.data_ptr(), int(cache.formats.rotate_k), int(cache.formats.rotate_v))  # fmt: skip
+        moe_scratch = self._moe_scratch(B)  # the MoE layers' output [B, E] and working rows, or None
+        step.moe_scratch = moe_scratch.data_ptr() if moe_scratch is not None else None
         angles = {}  # one cos/sin lookup per rotary table: [B, D] each
         run_layer = self.lib["layer"]
         for i, (desc, layer) in enumerate(zip(self.layers, model.layers)):
@@ -149,6 +148,13 @@ class CpuDecodeBackend:
             logits = torch.tanh(logits / model.logit_softcap) * model.logit_softcap
         return logits
 
+
+    def _moe_scratch(self, B: int) -> torch.Tensor | None:
+        moes = [d.moe.contents for d in self.layers if d.moe]
+        if not moes:
+            return None
+        E = self.model.config.hidden_size
+        return torch.empty(B * E + max(self.lib["moe_scratch_floats"](ctypes.byref(m), B, E) for m in moes))
 
     def _rank_failed(self, layer: int):
         from kvlab.parallel.group import RankFailed
@@ -215,14 +221,19 @@ def _describe(model, layer, keep: list, lib) -> LayerDesc | str:
     """decode.c's description of one decoder layer, or why it cannot take it."""
     from kvlab.model.attention import sdpa_attention
     from kvlab.model.layers import GatedMLP
+    from kvlab.backends.cpu_moe import describe_moe
+    from kvlab.model.moe import MoEBlock
     from kvlab.model.transformer import DecoderLayer, SandwichDecoderLayer
 
     attn, mlp, eps = layer.attn, layer.mlp, model.config.rms_norm_eps
     if attn.attend is not sdpa_attention:
         return "the lab's materialized attention"
+    if attn.clip_qkv is not None:
+        return "q, k and v clamped (OLMoE's clip_qkv)"
     activations = activation_ids()
-    if not isinstance(mlp, GatedMLP) or mlp.activation not in activations:
-        return f"its MLP is {type(mlp).__name__} (the C step runs {', '.join(activations)} gated MLPs)"
+    moe = isinstance(mlp, MoEBlock)
+    if not moe and (not isinstance(mlp, GatedMLP) or mlp.activation not in activations):
+        return f"its MLP is {type(mlp).__name__} (the C step runs {', '.join(activations)} gated MLPs and experts)"
     if type(layer) is DecoderLayer:
         norms = [layer.input_norm, layer.post_attn_norm, None, None]  # before attention, before the MLP
     elif type(layer) is SandwichDecoderLayer:  # Gemma: each one's output normalised too
@@ -233,18 +244,40 @@ def _describe(model, layer, keep: list, lib) -> LayerDesc | str:
     weights = [_norm_weight(n, eps, keep) if n is not None else None for n in norms]
     if any(isinstance(w, str) for w in weights):
         return next(w for w in weights if isinstance(w, str))
-    reduce = _row_parallel(attn.o_proj, mlp.down_proj, model.config.hidden_size, keep)
-    if isinstance(reduce, str):
-        return reduce
-    products = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-    parts = [_linear(getattr(m, "inner", m) if reduce else m) for m in products]  # a shard's own matrices
-    if any(isinstance(p, str) for p in parts):
-        return next(p for p in parts if isinstance(p, str))
+    if moe:
+        from kvlab.parallel.layers import RowParallel
+
+        if isinstance(attn.o_proj, RowParallel):
+            return "a tensor-parallel mixture of experts"
+        reduce = None
+        products = (attn.qkv_proj, attn.o_proj)
+    else:
+        reduce = _row_parallel(attn.o_proj, mlp.down_proj, model.config.hidden_size, keep)
+        if isinstance(reduce, str):
+            return reduce
+        products = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+    parts = [describe_linear(getattr(m, "inner", m) if reduce else m) for m in products]  # a shard's own matrices
+    experts = describe_moe(mlp) if moe else None
+    for p in parts + [experts]:
+        if isinstance(p, str):
+            return p
+    if moe:
+        parts += [LinearDesc(), LinearDesc()]  # the dense gate/up and down: none
     attn_norm, mlp_norm, attn_out, mlp_out, q_norm, k_norm = weights
     scale = attn.scale if attn.scale is not None else 1.0 / math.sqrt(attn.head_dim)  # SDPA's default
+    activation = 0 if moe else activations[mlp.activation]
     desc = LayerDesc(model.config.hidden_size, attn.num_heads, attn.num_kv_heads, attn.head_dim,
-                     mlp.intermediate_size, eps, scale, activations[mlp.activation], attn.window or 0,
+                     mlp.intermediate_size, eps, scale, activation, attn.window or 0,
                      attn_norm, mlp_norm, attn_out, mlp_out, q_norm, k_norm, *parts)  # fmt: skip
+    desc.qk_norm_whole = int(attn.qk_norm_whole)
+    if attn.sinks is not None:
+        sinks = attn.sinks.weight
+        if sinks.dtype != torch.float32 or not sinks.is_contiguous():
+            return "attention sinks not float32"
+        desc.sinks = sinks.data_ptr()
+    if experts is not None:
+        keep.append(experts)
+        desc.moe = ctypes.pointer(experts)
     if reduce:
         desc.reduce = ctypes.pointer(reduce[0])
         desc._group = reduce[1]  # for the error a lost rank gives
@@ -286,35 +319,3 @@ def _norm_weight(norm, eps: float, keep: list[torch.Tensor]) -> int | str:
         w = norm.offset + w.float()  # the module's (offset + w), rounded once to float32 as it rounds it
         keep.append(w)
     return w.contiguous().data_ptr() if w.is_contiguous() else "norm weights not contiguous"
-
-
-def _linear(module) -> LinearDesc | str:
-    """A linear layer as the C kernels see it, or why one of its matrices is not theirs."""
-    from kvlab.kernels import quant
-    from kvlab.model.layers import Linear
-    from kvlab.quant.linear import PackedLinear
-
-    if not isinstance(module, (Linear, PackedLinear)):  # another implementation of the linear seam
-        return f"a {type(module).__name__} product (the C step multiplies float matrices and GGUF blocks)"
-    desc = LinearDesc(in_features=module.in_features, out_features=module.out_features)
-    bias = module.bias
-    if bias is not None:
-        if not (bias.dtype == torch.float32 and bias.is_contiguous() and bias.device.type == "cpu"):
-            return "a bias not float32"
-        desc.bias = bias.data_ptr()
-    if isinstance(module, Linear):
-        w = module.weight
-        if w.dtype not in FLOAT_KINDS or not w.is_contiguous() or w.device.type != "cpu":
-            return f"a {str(w.dtype).removeprefix('torch.')} weight matrix the C products do not read"
-        desc.num_parts = 1
-        desc.parts[0] = Part(FLOAT_KINDS[w.dtype], 0, w.data_ptr(), module.in_features * w.element_size(), w.shape[0])
-        return desc
-    ids = quant._format_ids()
-    packed = module.packed()
-    unknown = [p.fmt for p in packed if p.fmt not in ids]
-    if unknown or len(packed) > MAX_PARTS or not all(p.data.is_contiguous() for p in packed):
-        return f"weights in {', '.join(unknown) or 'parts'} the C products do not read"
-    desc.num_parts = len(packed)
-    for i, p in enumerate(packed):
-        desc.parts[i] = Part(BLOCKS, ids[p.fmt], p.data.data_ptr(), p.data.shape[1], p.shape[0])
-    return desc

@@ -36,15 +36,22 @@ class EngineConfig:
     kv_rotation: str = "auto"  # Hadamard-rotate K and V before quantizing (kv/formats.py)
     # speculative decoding (config/speculative.py): a SpeculativeConfig, its dict or JSON; None: off
     speculative_config: object = None
+    # the prefix cache's second tier (kv/prompt_cache.py): full blocks kept as files in this directory,
+    # at most prompt_cache_size bytes (an int, or '4GiB'; None: 4 GiB), least recently used evicted
+    prompt_cache_dir: str | None = None
+    prompt_cache_size: int | str | None = None
 
     def context_len(self, model: ModelConfig) -> int:
         """Tokens a sequence may hold: --max-model-len, or the model's trained context; never more than that."""
-        trained = model.max_position_embeddings
+        trained = model.context_limit  # max_position_embeddings, or what a --rope-scaling override stretched it to
         if self.max_model_len is None:
             return trained
         if self.max_model_len > trained:
+            stretched = (f" stretched by --rope-scaling from {model.max_position_embeddings:,}"
+                         if model.extended_context else "")  # fmt: skip
             raise KvlabError(
                 f"--max-model-len {self.max_model_len:,} is longer than the model's context of {trained:,} "
-                f"tokens (max_position_embeddings): give at most {trained:,}"
+                f"tokens (max_position_embeddings{stretched}): give at most {trained:,}"
+                + ("" if model.extended_context else ", or stretch it with --rope-scaling (docs/lab.md)")
             )
         return self.max_model_len

@@ -27,6 +27,11 @@ SWA_ROPE_BASE = {"gemma3": 10_000.0}  # sliding layers' rotary base where the fi
 # llama.cpp's Gemma converter adds 1 to every norm weight (Gemma computes x̂ · (1 + w)): applied as x̂ · w
 NORM_SHIFTED_ARCHS = GELU_ARCHS
 _BLOCK_NORMS = ("attn_norm", "ffn_norm", "post_attention_norm", "post_ffw_norm")
+# llama.cpp's expert_gating_func ids → MoE.routing (2, sigmoid, is DeepSeek-V3's: kept so it can be refused by name)
+_GATING = {1: "softmax_topk", 2: "sigmoid_topk", 3: "topk_softmax"}
+# what llama.cpp's graph hard-codes where the file has no expert_gating_func / expert_weights_norm
+_DEFAULT_ROUTING = {"gpt-oss": "topk_softmax"}
+_NORMALISED_TOP_K = {"qwen3moe", "mixtral", "llama4"}  # llama.cpp renormalises the top-k weights of these
 
 
 def config_from_gguf(gguf: GGUFFile, *, name: str | None = None) -> ModelConfig:
@@ -138,13 +143,13 @@ def _layer(meta: _Meta, arch: str, i: int, recurrent: bool, tensors: dict) -> La
     kv_heads = meta.int(f"{arch}.attention.head_count_kv", required=False, layer=i)
     kv_heads = heads if kv_heads is None else kv_heads
     has = lambda part: f"blk.{i}.{part}" in tensors  # noqa: E731
-    mixer = _recurrent(meta, arch) if recurrent else _attention(meta, arch, i, heads, kv_heads, has)
-    mlp = _mlp(meta, arch, i)
+    mixer = _recurrent(meta, arch) if recurrent else _attention(meta, arch, i, heads, kv_heads, has, tensors)
+    mlp = _mlp(meta, arch, i, has, tensors)
     norms = sum(has(f"{norm}.weight") for norm in _BLOCK_NORMS) or 2
     return Layer(mixer=mixer, mlp=mlp, norms=norms)
 
 
-def _attention(meta: _Meta, arch: str, i: int, heads: int, kv_heads: int, has):
+def _attention(meta: _Meta, arch: str, i: int, heads: int, kv_heads: int, has, tensors: dict):
     if kv_heads == 0 or heads == 0:
         return None
     rank = meta.int(f"{arch}.attention.kv_lora_rank", required=False)
@@ -159,9 +164,11 @@ def _attention(meta: _Meta, arch: str, i: int, heads: int, kv_heads: int, has):
     hidden = meta.int(f"{arch}.embedding_length")
     key = meta.int(f"{arch}.attention.key_length", required=False) or hidden // heads
     value = meta.int(f"{arch}.attention.value_length", required=False) or key
+    q_norm = tensors.get(f"blk.{i}.attn_q_norm.weight")
     return Attention(num_heads=heads, kv_heads=kv_heads, head_dim=key, v_head_dim=value,
                      window=_window(meta, arch, i), qkv_bias=has("attn_q.bias"), o_bias=has("attn_output.bias"),
-                     qk_norm=has("attn_q_norm.weight"), scale=_attention_scale(meta, arch, heads, key))
+                     qk_norm=q_norm is not None, qk_norm_whole=q_norm is not None and q_norm.shape[0] != key,
+                     sinks=has("attn_sinks.weight"), scale=_attention_scale(meta, arch, heads, key))  # fmt: skip
 
 
 def _window(meta: _Meta, arch: str, i: int) -> int | None:
@@ -189,16 +196,43 @@ def _recurrent(meta: _Meta, arch: str):
     return Mamba2(num_heads=heads, head_dim=inner // heads, state_size=state, n_groups=groups, conv_kernel=kernel)
 
 
-def _mlp(meta: _Meta, arch: str, i: int):
+def _mlp(meta: _Meta, arch: str, i: int, has, tensors: dict):
     experts = meta.int(f"{arch}.expert_count", required=False)
     leading_dense = meta.int(f"{arch}.leading_dense_block_count", required=False) or 0
-    if experts and i >= leading_dense:
-        return MoE(num_experts=experts, top_k=meta.int(f"{arch}.expert_used_count"),
-                   expert_size=meta.int(f"{arch}.expert_feed_forward_length", required=False) or
-                   meta.int(f"{arch}.feed_forward_length", layer=i))
+    sparse = has("ffn_gate_inp.weight") if any(t.startswith("blk.") for t in tensors) else i >= leading_dense
+    if experts and sparse:  # a block with a router; without tensors (a header-only read), after the dense lead
+        return _moe(meta, arch, i, experts, has, tensors)
     size = meta.int(f"{arch}.feed_forward_length", required=False, layer=i)
     activation = "gelu_pytorch_tanh" if arch in GELU_ARCHS else "silu"
     return DenseMLP(size, activation=activation) if size else None
+
+
+def _moe(meta: _Meta, arch: str, i: int, experts: int, has, tensors: dict) -> MoE:
+    """Block i's mixture of experts, from llama.cpp's keys and the block's tensors."""
+    gating = meta.int(f"{arch}.expert_gating_func", required=False)
+    routing = _GATING.get(gating, f"gating function {gating}") if gating else _DEFAULT_ROUTING.get(arch, "softmax_topk")
+    norm = meta.value(f"{arch}.expert_weights_norm")
+    shared = meta.int(f"{arch}.expert_shared_feed_forward_length", required=False)
+    shexp = tensors.get(f"blk.{i}.ffn_up_shexp.weight")
+    if shexp is not None and not shared:
+        shared = shexp.shape[0]
+    gpt_oss = arch == "gpt-oss"
+    return MoE(
+        num_experts=experts,
+        top_k=meta.int(f"{arch}.expert_used_count"),
+        expert_size=meta.int(f"{arch}.expert_feed_forward_length", required=False)
+        or meta.int(f"{arch}.feed_forward_length", layer=i),
+        shared_size=shared or 0 if shexp is not None else 0,
+        shared_gate=has("ffn_gate_inp_shexp.weight"),
+        router_bias=has("ffn_gate_inp.bias"),
+        expert_bias=has("ffn_down_exps.bias"),
+        score_bias=has("exp_probs_b.bias") or has("exp_probs_b"),
+        routing=routing,
+        norm_topk_prob=bool(norm) if isinstance(norm, bool) else arch in _NORMALISED_TOP_K,
+        activation="clamped_swiglu" if gpt_oss else "silu",
+        swiglu_limit=7.0 if gpt_oss else None,  # llama.cpp's gpt-oss graph: limit 7, alpha 1.702
+        swiglu_alpha=1.702 if gpt_oss else None,
+    )
 
 
 def _file_weights(gguf: GGUFFile, meta: _Meta, arch: str) -> FileWeights:

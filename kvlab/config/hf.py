@@ -22,7 +22,7 @@ from kvlab.config.dtypes import canonical_dtype
 KNOWN_TYPES = {
     "llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "qwen3_next",
     "qwen3_5_text", "qwen3_5_moe_text", "gemma", "gemma2", "gemma3_text", "gpt_oss",
-    "deepseek_v2", "deepseek_v3", "nemotron_h", "phi3", "starcoder2", "olmo2", "smollm3",
+    "deepseek_v2", "deepseek_v3", "nemotron_h", "phi3", "starcoder2", "olmo2", "smollm3", "olmoe",
 }
 # defaults of the transformers config classes, used when the file leaves a key out
 CLASS_DEFAULTS: dict[str, dict[str, Any]] = {
@@ -39,7 +39,9 @@ CLASS_DEFAULTS: dict[str, dict[str, Any]] = {
     "gemma2": {"sliding_window_pattern": 2, "tie_word_embeddings": True},
     "gemma": {"tie_word_embeddings": True},
 }
-QK_NORM_TYPES = {"qwen3", "qwen3_moe", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "gemma3_text", "olmo2"}
+QK_NORM_TYPES = {"qwen3", "qwen3_moe", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "gemma3_text", "olmo2",
+                 "olmoe"}
+QK_NORM_WHOLE_TYPES = {"olmoe"}  # q/k norms over the whole projections, not per head (OLMo 2's too: not run yet)
 QKV_BIAS_TYPES = {"qwen2", "qwen2_moe"}  # q, k, v always carry a bias; o does not
 GEMMA_TYPES = {"gemma", "gemma2", "gemma3_text"}  # scaled embeddings, RMSNorm as x̂ · (1 + w)
 SLIDING_ONLY_WITH_FLAG = {"qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "qwen3_next", "smollm3"}
@@ -262,6 +264,8 @@ def _mixer(kind: str, cfg: dict, r: _Reader, model_type: str, notes: list[str], 
         qkv_bias=bias or model_type in QKV_BIAS_TYPES,
         o_bias=bias,
         qk_norm=model_type in QK_NORM_TYPES,
+        qk_norm_whole=model_type in QK_NORM_WHOLE_TYPES,
+        clip_qkv=_optional_float(cfg, "clip_qkv", r.source),
         output_gate=bool(cfg.get("attn_output_gate", model_type == "qwen3_next")),
         sinks=model_type == "gpt_oss",
         rope=_layer_rope(kind, cfg, rope),
@@ -305,18 +309,31 @@ def _mlp(i: int, kind: str, cfg: dict, r: _Reader, model_type: str) -> DenseMLP 
         shared = r.int("shared_expert_intermediate_size", required=False, minimum=0) or 0
         n_shared = r.int("n_shared_experts", required=False, minimum=0) or 0
         expert_size = r.int("moe_intermediate_size", "intermediate_size")
+        gpt_oss = model_type == "gpt_oss"
         return MoE(
             num_experts=num_experts,
             top_k=r.int("num_experts_per_tok", "experts_per_token", "top_k"),
             expert_size=expert_size,
             shared_size=shared or n_shared * expert_size,
             shared_gate=bool(shared),
-            router_bias=model_type == "gpt_oss",
-            expert_bias=model_type == "gpt_oss",
+            router_bias=gpt_oss,
+            expert_bias=gpt_oss,
             score_bias=model_type == "deepseek_v3",
+            routing="topk_softmax" if gpt_oss else _routing(cfg, model_type),
+            norm_topk_prob=bool(cfg.get("norm_topk_prob", model_type in ("mixtral", "deepseek_v3"))),
+            activation="clamped_swiglu" if gpt_oss else str(cfg.get("hidden_act") or "silu"),
+            swiglu_limit=_float(cfg, "swiglu_limit", 7.0, r.source) if gpt_oss else None,
+            swiglu_alpha=_float(cfg, "swiglu_alpha", 1.702, r.source) if gpt_oss else None,
         )
     return DenseMLP(r.int("intermediate_size", "n_inner", "ffn_dim"), bias=bool(cfg.get("mlp_bias")),
                     activation=str(cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu"))
+
+
+def _routing(cfg: dict, model_type: str) -> str:
+    """How the router turns logits into expert weights: Qwen's and OLMoE's softmax then top-k, or a scoring
+    function the config names (DeepSeek-V3's "sigmoid"), kept so the registry can name what it refuses."""
+    scoring = cfg.get("scoring_func")
+    return f"{scoring}_topk" if isinstance(scoring, str) and scoring != "softmax" else "softmax_topk"
 
 
 def _is_moe_layer(i: int, cfg: dict, r: _Reader) -> bool:

@@ -27,7 +27,9 @@ class Attention:
     window: int | None = None  # sliding window in tokens; None = the layer sees the whole context
     qkv_bias: bool = False
     o_bias: bool = False
-    qk_norm: bool = False  # per-head RMSNorm on q and k (Qwen3, Gemma 3)
+    qk_norm: bool = False  # RMSNorm on q and k (Qwen3, Gemma 3: per head)
+    qk_norm_whole: bool = False  # ... over the whole q and k projections, before the heads split (OLMoE)
+    clip_qkv: float | None = None  # q, k and v clamped to ±clip_qkv after the projections (OLMoE, optional)
     output_gate: bool = False  # q_proj also emits a sigmoid gate per head (Qwen3-Next, Qwen3.5)
     sinks: bool = False  # one learned sink logit per head (gpt-oss)
     rope: RopeConfig | None = None  # this layer's own rotary settings (Gemma 3's sliding layers); None: the model's
@@ -95,9 +97,19 @@ class DenseMLP:
     activation: str = "silu"  # of the gate (gated) or of up (plain): silu, gelu_pytorch_tanh, relu2, ...
 
 
+ROUTINGS = ("softmax_topk", "topk_softmax")  # MoE.routing: the order of the router's softmax and top-k
+EXPERT_ACTIVATIONS = ("silu", "clamped_swiglu")  # MoE.activation of the routed experts
+
+
 @dataclass(frozen=True)
 class MoE:
-    """A mixture of experts: `top_k` of `num_experts` routed experts per token, plus shared experts."""
+    """A mixture of experts: `top_k` of `num_experts` routed experts per token, plus shared experts.
+
+    Routing: "softmax_topk" (Qwen, OLMoE) takes the top-k of softmax(router logits), renormalised to sum
+    to 1 when `norm_topk_prob`; "topk_softmax" (gpt-oss) softmaxes the top-k logits themselves.
+    Experts: "silu" is down(silu(gate) · up); "clamped_swiglu" (gpt-oss) clamps gate ≤ limit and
+    |up| ≤ limit, then down((up + 1) · gate · sigmoid(alpha · gate)).
+    """
 
     num_experts: int
     top_k: int
@@ -108,6 +120,11 @@ class MoE:
     router_bias: bool = False
     expert_bias: bool = False  # biases inside every expert (gpt-oss)
     score_bias: bool = False  # a per-expert routing correction bias (DeepSeek-V3)
+    routing: str = "softmax_topk"  # see ROUTINGS
+    norm_topk_prob: bool = False  # softmax_topk: the chosen probabilities renormalised to sum to 1
+    activation: str = "silu"  # see EXPERT_ACTIVATIONS
+    swiglu_limit: float | None = None  # clamped_swiglu's clamp
+    swiglu_alpha: float | None = None  # clamped_swiglu's sigmoid slope
 
 
 @dataclass(frozen=True)

@@ -94,6 +94,9 @@ class ModelConfig:
     source: str = ""
     file_weights: FileWeights | None = None
     notes: tuple[str, ...] = ()
+    # positions a rope-scaling override (--rope-scaling, with_rope_scaling) stretches the model to:
+    # original × factor; None without one. max_position_embeddings stays the trained length.
+    extended_context: int | None = None
 
     @property
     def num_layers(self) -> int:
@@ -151,6 +154,24 @@ class ModelConfig:
         return dataclasses.replace(
             self, layers=self.layers + self.mtp_layers, mtp_layers=(), notes=self.notes + (note,)
         )
+
+    @property
+    def context_limit(self) -> int | None:
+        """Tokens a sequence may hold: the trained max_position_embeddings, or the context a rope-scaling
+        override stretched it to."""
+        return self.extended_context or self.max_position_embeddings
+
+    def with_rope_scaling(self, scaling: str | dict) -> ModelConfig:
+        """This model with the rope_scaling block `scaling` in place of its own (vLLM's --hf-overrides
+        rope_scaling, llama.cpp's --rope-scaling): the rotary settings of every layer without its own
+        (Gemma 3's sliding layers keep theirs, as in transformers), and `extended_context`."""
+        from kvlab.config.rope import rope_override
+
+        rope, context = rope_override(self.rope, scaling, self.max_position_embeddings)
+        note = (f"rope scaling overridden: {rope.type}, factor {rope.factor:g}, context {context:,} tokens "
+                f"(trained: {self.max_position_embeddings:,})" if context else f"rope scaling overridden: {rope.type}")
+        return dataclasses.replace(self, rope=rope, extended_context=context if rope.type != "default" else None,
+                                   notes=self.notes + (note,))  # fmt: skip
 
     def with_note(self, note: str) -> ModelConfig:
         return dataclasses.replace(self, notes=self.notes + (note,))

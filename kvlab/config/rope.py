@@ -80,3 +80,60 @@ def rope_from_gguf(meta: dict[str, Any], arch: str) -> RopeConfig:
         factor=float(meta.get(f"{arch}.rope.scaling.factor", 1.0)),
         original_max_position_embeddings=meta.get(f"{arch}.rope.scaling.original_context_length"),
     )
+
+
+# ---- a rope-scaling override from the command line or the API --------------------------------------
+
+# the keys a config.json rope_scaling block may hold (transformers' names)
+OVERRIDE_KEYS = ("rope_type", "type", "factor", "original_max_position_embeddings", "low_freq_factor",
+                 "high_freq_factor", "beta_fast", "beta_slow", "attention_factor", "mscale", "mscale_all_dim",
+                 "truncate", "rope_theta")  # fmt: skip
+
+
+def parse_rope_scaling(value: str | dict, source: str = "--rope-scaling") -> dict:
+    """A rope_scaling block as `--rope-scaling JSON` or `LLM(rope_scaling=...)` gives it, checked: an
+    object with a known rope_type, a factor of at least 1 (for any scaling type), only known keys."""
+    import json
+
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise KvlabError(f"{source}: not valid JSON ({e.msg} at column {e.colno}): give an object such as "
+                             '\'{"rope_type": "yarn", "factor": 2.0}\'') from None  # fmt: skip
+    if not isinstance(value, dict):
+        raise KvlabError(f"{source}: must be a JSON object, not {type(value).__name__}")
+    unknown = sorted(set(value) - set(OVERRIDE_KEYS))
+    if unknown:
+        raise KvlabError(f"{source}: unknown key '{unknown[0]}': use {', '.join(OVERRIDE_KEYS)}")
+    rope_type = value.get("rope_type", value.get("type"))
+    if rope_type not in ROPE_TYPES:
+        raise KvlabError(f"{source}: unknown rope_type {rope_type!r}: kvlab knows {', '.join(ROPE_TYPES)}")
+    for key in ("factor", "low_freq_factor", "high_freq_factor", "beta_fast", "beta_slow", "attention_factor",
+                "mscale", "mscale_all_dim", "rope_theta"):  # fmt: skip
+        number = value.get(key)
+        if number is not None and (isinstance(number, bool) or not isinstance(number, (int, float)) or not number > 0):
+            raise KvlabError(f"{source}: '{key}' must be a positive number, got {number!r}")
+    factor = value.get("factor")
+    if rope_type != "default" and (factor is None or factor < 1):
+        raise KvlabError(f"{source}: rope_type {rope_type} needs a 'factor' of at least 1, got {factor!r}")
+    original = value.get("original_max_position_embeddings")
+    if original is not None and (isinstance(original, bool) or not isinstance(original, int) or original < 1):
+        raise KvlabError(f"{source}: 'original_max_position_embeddings' must be a whole number above 0, "
+                         f"got {original!r}")
+    return {**value, "rope_type": rope_type}
+
+
+def rope_override(rope: RopeConfig, scaling: str | dict, trained: int | None) -> tuple[RopeConfig, int | None]:
+    """(the rotary settings `scaling` asks for, the context they stretch the model to).
+
+    `rope`: the model's own settings (their base frequency is kept unless the block gives rope_theta);
+    `trained`: its max_position_embeddings, the default original_max_position_embeddings. The context
+    is original × factor (vLLM's rule for a rope_scaling override), never less than `trained`."""
+    params = parse_rope_scaling(scaling)
+    cfg = {"rope_theta": rope.theta, "rope_scaling": params, "max_position_embeddings": trained}
+    scaled = rope_from_hf(cfg, "--rope-scaling")
+    if scaled.type == "default" or trained is None:
+        return scaled, trained
+    original = scaled.original_max_position_embeddings or trained
+    return scaled, max(trained, int(original * scaled.factor))

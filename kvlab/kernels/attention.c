@@ -206,7 +206,8 @@ static void merge(const Attend* a) {
         for (int64_t h = 0; h < H; h++) {
             const float* part = a->partial + b * a->chunks * H * (D + 2) + h * (D + 2);
             const int64_t step = H * (D + 2);  // from one chunk's partials to the next one's
-            float top = -INFINITY, sum = 0.0f;
+            const float sink = L->sinks ? L->sinks[h] : -INFINITY;  // gpt-oss: one more logit, its value 0
+            float top = sink, sum = 0.0f;
             for (int64_t c = skipped; c < used; c++) top = part[c * step] > top ? part[c * step] : top;
             float* o = a->out + b * H * D + h * D;
             memset(o, 0, D * sizeof(float));
@@ -217,6 +218,7 @@ static void merge(const Attend* a) {
                 sum += w * pc[1];
                 axpy(o, w, pc + 2, D);
             }
+            if (L->sinks) sum += expf(sink - top);
             const float inv = 1.0f / sum;
             for (int64_t i = 0; i < D; i++) o[i] *= inv;
             if (S->rotate_v) kvlab_kv_hadamard(o, D);

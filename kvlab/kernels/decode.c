@@ -30,8 +30,9 @@
 // Walsh–Hadamard transform (n log n adds), the same bits as formats.py's.
 //
 // The files: step.h (the structs, written once), kv_codec.h / kv_codec.c (the KV formats: reading
-// inline, writing, the rotation), attention.c (attention over the stored codes), and this one (the
-// layer: norms, products, RoPE, the new K/V written, attention, the MLP, the residuals).
+// inline, writing, the rotation), attention.c (attention over the stored codes), linear.c (a layer's
+// products, part by part through their kernels), moe.c (a mixture-of-experts MLP), and this one (the
+// layer: norms, RoPE, the new K/V written, attention, the MLP, the residuals).
 
 #include <math.h>
 #include <stdint.h>
@@ -53,6 +54,7 @@ void kvlab_decode_struct_sizes(int64_t* out) {
     out[3] = sizeof(KVStore);
     out[4] = sizeof(Step);
     out[5] = sizeof(Reduce);
+    out[6] = sizeof(Moe);
 }
 
 // Floats of scratch a step needs: qkv, attention output, a norm's output, gate/up, SiLU·up, the score
@@ -64,27 +66,8 @@ int64_t kvlab_decode_scratch_floats(int64_t batch, int64_t hidden, int64_t heads
            batch * num_chunks(max_keys) * heads * (head_dim + 2);
 }
 
-// y [m, l->out] (row stride ldy) = x [m, l->in] · Wᵀ + bias, part by part into its columns
-static void linear(const Linear* l, const float* x, float* y, int64_t m, int64_t ldy, int threads) {
-    int64_t column = 0;
-    for (int p = 0; p < l->num_parts; p++) {
-        const Part* part = &l->parts[p];
-        if (part->kind == BLOCKS) {
-            kvlab_quant_matmul(part->fmt, part->w, part->ldw, x, y + column, m, l->in, ldy, part->rows, threads);
-        } else {  // a float matrix is a layer's only part, written with its bias, as the unfused path does
-            if (part->kind == FLOAT32)
-                kvlab_gemv_f32(part->w, x, l->bias, y, m, l->in, l->out, threads);
-            else if (part->kind == BFLOAT16)
-                kvlab_gemv_bf16(part->w, x, l->bias, y, m, l->in, l->out, threads);
-            else
-                kvlab_gemv_f16(part->w, x, l->bias, y, m, l->in, l->out, threads);
-            return;
-        }
-        column += part->rows;
-    }
-    if (l->bias)  // the blocks' products, then the bias: one rounding, as PackedLinear adds it
-        for (int64_t i = 0; i < m; i++)
-            for (int64_t o = 0; o < l->out; o++) y[i * ldy + o] += l->bias[o];
+static inline void linear(const Linear* l, const float* x, float* y, int64_t m, int64_t ldy, int threads) {
+    kvlab_decode_linear(l, x, y, m, ldy, threads);
 }
 
 // ---- the layer ----------------------------------------------------------------------------------
@@ -124,11 +107,12 @@ int kvlab_decode_layer(const Layer* L, const Step* S, float* x, int threads) {
 
     kvlab_rms_norm_f32(x, L->attn_norm, normed, B, E, L->eps);
     linear(&L->qkv, normed, qkv, B, qkv_row, threads);
-    if (L->q_norm) {  // each head of q and of k normalised over its D values, before the rotation
+    if (L->q_norm) {  // each head of q and of k normalised over its D values (OLMoE: all heads at once)
+        const int64_t qn = L->qk_norm_whole ? 1 : H, kn = L->qk_norm_whole ? 1 : Hkv;
         for (int64_t b = 0; b < B; b++) {
             float* row = qkv + b * qkv_row;
-            kvlab_rms_norm_f32(row, L->q_norm, row, H, D, L->eps);
-            kvlab_rms_norm_f32(row + H * D, L->k_norm, row + H * D, Hkv, D, L->eps);
+            kvlab_rms_norm_f32(row, L->q_norm, row, qn, H * D / qn, L->eps);
+            kvlab_rms_norm_f32(row + H * D, L->k_norm, row + H * D, kn, Hkv * D / kn, L->eps);
         }
     }
     kvlab_rope_f32(qkv, S->cos, S->signed_sin, B, H + Hkv, D, qkv_row);  // q heads, then k heads, per token
@@ -150,6 +134,12 @@ int kvlab_decode_layer(const Layer* L, const Step* S, float* x, int threads) {
     add_residual(x, normed, L->attn_out_norm, B, E, L->eps);
 
     kvlab_rms_norm_f32(x, L->mlp_norm, normed, B, E, L->eps);
+    if (L->moe) {  // a mixture of experts (moe.c): its output [B, E] first in the step's MoE scratch
+        float* out = S->moe_scratch;
+        kvlab_moe(L->moe, normed, out, B, E, out + B * E, threads);
+        add_residual(x, out, L->mlp_out_norm, B, E, L->eps);
+        return 0;
+    }
     linear(&L->gate_up, normed, gate_up, B, 2 * I, threads);
     for (int64_t b = 0; b < B; b++) {
         const float *g = gate_up + b * 2 * I, *u = g + I;

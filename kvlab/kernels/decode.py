@@ -19,6 +19,9 @@ from kvlab.kernels import gemv
 MAX_PARTS = 3
 FLOAT_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 BLOCKS = 3
+MXFP4_BLOCKS = 4  # mxfp4.c's format (not one of quant.c's)
+ROUTINGS = {"softmax_topk": 0, "topk_softmax": 1}  # MoE.routing → step.h's ROUTE_*
+EXPERT_ACTIVATIONS = {"silu": 0, "clamped_swiglu": 1}  # MoE.activation → step.h's EXPERT_*
 
 
 class Part(ctypes.Structure):
@@ -38,6 +41,18 @@ class ReduceDesc(ctypes.Structure):
                 ("capacity", ctypes.c_int64), ("calls", ctypes.c_void_p), ("timeout_s", ctypes.c_double)]  # fmt: skip
 
 
+class MoeDesc(ctypes.Structure):
+    """A mixture of experts as the layer's MLP (step.h's Moe): expert e's parts are expert 0's + e · stride."""
+
+    _fields_ = [("num_experts", ctypes.c_int64), ("top_k", ctypes.c_int64), ("expert_size", ctypes.c_int64),
+                ("shared_size", ctypes.c_int64), ("routing", ctypes.c_int32), ("norm_topk_prob", ctypes.c_int32),
+                ("activation", ctypes.c_int32), ("swiglu_limit", ctypes.c_float), ("swiglu_alpha", ctypes.c_float),
+                ("router", LinearDesc), ("gate_up", LinearDesc), ("down", LinearDesc),
+                ("gate_up_stride", ctypes.c_int64 * MAX_PARTS), ("down_stride", ctypes.c_int64 * MAX_PARTS),
+                ("gate_up_bias", ctypes.c_void_p), ("down_bias", ctypes.c_void_p),
+                ("shared_gate_up", LinearDesc), ("shared_down", LinearDesc), ("shared_gate", LinearDesc)]  # fmt: skip
+
+
 class LayerDesc(ctypes.Structure):
     _fields_ = [("hidden", ctypes.c_int64), ("heads", ctypes.c_int64), ("kv_heads", ctypes.c_int64),
                 ("head_dim", ctypes.c_int64), ("intermediate", ctypes.c_int64), ("eps", ctypes.c_float),
@@ -45,7 +60,8 @@ class LayerDesc(ctypes.Structure):
                 ("attn_norm", ctypes.c_void_p), ("mlp_norm", ctypes.c_void_p), ("attn_out_norm", ctypes.c_void_p),
                 ("mlp_out_norm", ctypes.c_void_p), ("q_norm", ctypes.c_void_p), ("k_norm", ctypes.c_void_p),
                 ("qkv", LinearDesc), ("o", LinearDesc), ("gate_up", LinearDesc), ("down", LinearDesc),
-                ("reduce", ctypes.POINTER(ReduceDesc))]  # fmt: skip
+                ("reduce", ctypes.POINTER(ReduceDesc)), ("qk_norm_whole", ctypes.c_int32),
+                ("sinks", ctypes.c_void_p), ("moe", ctypes.POINTER(MoeDesc))]  # fmt: skip
 
 
 class KVStore(ctypes.Structure):
@@ -60,7 +76,7 @@ class StepDesc(ctypes.Structure):
                 ("slots", ctypes.c_void_p), ("block_tables", ctypes.c_void_p), ("table_stride", ctypes.c_int64),
                 ("num_keys", ctypes.c_void_p), ("first_key", ctypes.c_void_p), ("max_keys", ctypes.c_int64),
                 ("scratch", ctypes.c_void_p),
-                ("rotate_k", ctypes.c_int32), ("rotate_v", ctypes.c_int32)]  # fmt: skip
+                ("rotate_k", ctypes.c_int32), ("rotate_v", ctypes.c_int32), ("moe_scratch", ctypes.c_void_p)]  # fmt: skip
 
 
 MAX_HEAD_DIM = 512  # decode.c's row buffers
@@ -91,7 +107,7 @@ def _names(what: str) -> dict[str, int]:
 
 
 STRUCTS = {"Part": Part, "LinearDesc": LinearDesc, "LayerDesc": LayerDesc, "KVStore": KVStore, "StepDesc": StepDesc,
-           "ReduceDesc": ReduceDesc}
+           "ReduceDesc": ReduceDesc, "MoeDesc": MoeDesc}
 
 
 def struct_mismatch(lib) -> str | None:
@@ -107,4 +123,8 @@ def struct_mismatch(lib) -> str | None:
 def library():
     """decode.c's bound functions, None where the library could not be built (gemv.build_error says why)."""
     gemv._ensure_loaded()
+    lib = gemv._state.get("lib")
+    if gemv._decode and lib is not None and "moe_scratch_floats" not in gemv._decode:  # moe.c's, bound here
+        gemv._decode["moe_scratch_floats"] = gemv._bind(lib, "kvlab_moe_scratch_floats",
+                                                        [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64], ctypes.c_int64)  # fmt: skip
     return gemv._decode or None

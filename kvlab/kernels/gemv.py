@@ -34,8 +34,12 @@ from kvlab.kernels.policy import current
 
 _SOURCES = [Path(__file__).with_name(name) for name in ("gemv.c", "quant.c", "decode.c", "attention.c", "kv_codec.c",
                                                         "pool.c")]  # fmt: skip
+_SOURCES.append(Path(__file__).with_name("quant_i8.c"))  # 8-bit activations over interleaved rows (opt-in)
+_SOURCES.append(Path(__file__).with_name("linear.c"))  # the decode step's products, part by part
 _SOURCES.append(Path(__file__).parents[1] / "parallel" / "allreduce.c")  # the shared-memory all-reduce, beside its user
-_HEADERS = [Path(__file__).with_name(name) for name in ("pool.h", "step.h", "kv_codec.h")]
+_SOURCES.append(Path(__file__).with_name("mxfp4.c"))  # MXFP4 blocks (gpt-oss's experts), bound by kernels/mxfp4.py
+_SOURCES.append(Path(__file__).with_name("moe.c"))  # the decode step's mixture-of-experts MLP (decode.c calls it)
+_HEADERS = [Path(__file__).with_name(name) for name in ("pool.h", "step.h", "kv_codec.h", "quant_i8.h")]
 _FLAGS = ["-O3", "-march=native", "-pthread", "-shared", "-fPIC", "-std=gnu11", "-lm"]
 _MAX_OUT = 2**31  # output rows: the pool numbers work items (4 rows each) in 32 bits
 _NAMES = {torch.float32: "kvlab_gemv_f32", torch.bfloat16: "kvlab_gemv_bf16", torch.float16: "kvlab_gemv_f16"}
@@ -129,6 +133,7 @@ def _load() -> None:
     int_p = ctypes.POINTER(ctypes.c_int)
     _quant["format"] = _bind(lib, "kvlab_quant_format", [ctypes.c_int, int_p, int_p], ctypes.c_char_p)
     _quant["matmul"] = _bind(lib, "kvlab_quant_matmul", [ctypes.c_int] + [pointer, int64] + [pointer] * 2 + [int64] * 4 + [ctypes.c_int], ctypes.c_int)
+    _quant["interleave"] = _bind(lib, "kvlab_quant_interleave", [ctypes.c_int, pointer, int64, int64, int64, pointer], int64)
     _quant["dequantize"] = _bind(lib, "kvlab_quant_dequantize", [ctypes.c_int, pointer, int64, pointer] + [int64] * 3 + [ctypes.c_int], ctypes.c_int)
     _decode["layer"] = _bind(lib, "kvlab_decode_layer", [pointer] * 3 + [ctypes.c_int], ctypes.c_int)
     _decode["scratch_floats"] = _bind(lib, "kvlab_decode_scratch_floats", [int64] * 7, int64)
@@ -140,6 +145,7 @@ def _load() -> None:
     _decode["struct_sizes"] = _bind(lib, "kvlab_decode_struct_sizes", [pointer])
     _comm["allreduce"] = _bind(lib, "kvlab_shm_allreduce", [pointer, ctypes.c_int, ctypes.c_int, int64, pointer,
                                                             int64, int64, ctypes.c_double], ctypes.c_int)  # fmt: skip
+    _state["lib"] = lib  # for the kernels that bind their own functions (kernels/mxfp4.py)
 
 
 def _bind(lib: ctypes.CDLL, name: str, argtypes: list, restype=None):

@@ -38,6 +38,9 @@ class ThreadPolicy:
     use_kernels: bool = field(default_factory=_kernels_default)  # False: every product through PyTorch
     max_kernel_rows: int = DEFAULT_MAX_KERNEL_ROWS  # the kernels' crossover with BLAS, in rows
     fused_decode: bool = True  # a decode step's layers one C call each (kernels/decode.c) where they fit
+    # prompt-sized products over GGUF blocks in the kernels too: their tiles decode each block once per 32
+    # rows and beat dequantizing the matrix for BLAS at every chunk size measured (64-512 rows)
+    packed_prompts: bool = True
 
     def __post_init__(self) -> None:
         if self.threads is None:
@@ -48,6 +51,10 @@ class ThreadPolicy:
     def kernel_sized(self, num_rows: int) -> bool:
         """Whether a product over `num_rows` rows is one for the kernels (decode-sized)."""
         return self.use_kernels and 0 < num_rows <= self.max_kernel_rows
+
+    def packed_sized(self, num_rows: int) -> bool:
+        """Whether a product over GGUF blocks with `num_rows` rows goes to the block kernels."""
+        return self.kernel_sized(num_rows) or (self.use_kernels and self.packed_prompts and num_rows > 0)
 
     @contextmanager
     def active(self) -> Iterator[ThreadPolicy]:

@@ -1,8 +1,10 @@
 """Products with weights in GGUF block formats: the C kernels' Python side, with PyTorch fallbacks.
 
-    applies(x, formats)              whether the C kernels take this call (decode-sized rows on a CPU)
+    applies(x, formats)              whether the C kernels take this call (a CPU pass, see ThreadPolicy)
     packed_linear(x, parts, out)     y [rows, out] float32 = x [rows, in] times every part's blocks
-    dequantize(part)                 float32 [rows, in]: for prompt-sized products (then BLAS)
+    dequantize(part)                 float32 [rows, in]: for products off the kernels (then BLAS)
+    interleave(part)                 the part's rows repacked 16 at a time for 8-bit activations
+                                     (format "<fmt>x16", quant_i8.c; opt-in, see kvlab/quant/activations.py)
 
 The kernels (`quant.c`) are compiled into the GEMV's library (`kernels/gemv.py` builds both at first
 use) and share its thread pool. `packed_linear` reads each block once for all rows and writes every
@@ -45,7 +47,16 @@ def _format_ids() -> dict[str, int]:
         fmt = FORMATS.get(name.decode())
         if fmt is not None and (fmt.block_values, fmt.block_bytes) == (values.value, size.value):
             ids[fmt.name] = i
+        elif is_interleaved(name.decode()) and name.decode()[: -len(INTERLEAVED)] in ids:
+            ids[name.decode()] = i  # its layout is the C side's alone: sized by kvlab_quant_interleave
     return ids
+
+
+INTERLEAVED = "x16"  # the suffix of a format's interleaved form: "Q4_1x16"
+
+
+def is_interleaved(fmt: str) -> bool:
+    return fmt.endswith(INTERLEAVED)
 
 
 def available() -> bool:
@@ -54,12 +65,15 @@ def available() -> bool:
 
 
 def applies(x: torch.Tensor, formats: list[str]) -> bool:
-    """Whether packed_linear takes x [rows, in] with parts in `formats`: a decode-sized CPU pass under
-    the thread policy in force, every format one the C kernels know."""
-    if x.device.type != "cpu" or x.dim() != 2 or not current().kernel_sized(x.shape[0]):
+    """Whether packed_linear takes x [rows, in] with parts in `formats`: a CPU pass the thread policy in
+    force gives the block kernels (any size by default: see ThreadPolicy.packed_prompts), every format
+    one the C kernels know."""
+    if x.device.type != "cpu" or x.dim() != 2:
         return False
     ids = _format_ids()
-    return bool(ids) and all(f in ids for f in formats)
+    if any(is_interleaved(f) for f in formats):  # no float copy to fall back on: every pass, any size
+        return all(f in ids for f in formats)
+    return current().packed_sized(x.shape[0]) and bool(ids) and all(f in ids for f in formats)
 
 
 def packed_linear(x: torch.Tensor, parts, out_features: int, threads: int | None = None) -> torch.Tensor:
@@ -105,6 +119,26 @@ def dequantize(part, threads: int | None = None) -> torch.Tensor:
     return y
 
 
+def interleave(part) -> tuple[str, torch.Tensor] | None:
+    """The part (a PackedTensor of a GGUF block format) repacked for 8-bit activations: its format
+    "<fmt>x16" and bytes, uint8 [items, item bytes], items of 16 rows (quant_i8.c). None where its
+    format has no interleaved form or the kernels are not built."""
+    ids, lib = _format_ids(), _library()
+    target = part.fmt + INTERLEAVED
+    if part.fmt not in ids or target not in ids or part.data.device.type != "cpu":
+        return None
+    rows, in_features = part.shape
+    data = _checked_blocks(part, in_features)
+    size = lib["interleave"](ids[part.fmt], data.data_ptr(), data.stride(0), rows, in_features, None)
+    items = -(-rows // 16)
+    if size < 0 or items == 0:
+        return None
+    out = torch.empty(items, size // items, dtype=torch.uint8)
+    if lib["interleave"](ids[part.fmt], data.data_ptr(), data.stride(0), rows, in_features, out.data_ptr()) != size:
+        return None
+    return target, out
+
+
 def _threads(threads: int | None) -> int:
     threads = threads or current().threads
     if threads < 1:
@@ -120,6 +154,12 @@ def _checked_blocks(part, in_features: int) -> torch.Tensor:
     data = part.data
     if cols != in_features:
         raise ValueError(f"a {part.fmt} part of {cols} inputs cannot take x of {in_features}")
+    if is_interleaved(part.fmt):  # items of 16 rows, sized by the C side
+        size = _library()["interleave"](_format_ids()[part.fmt[: -len(INTERLEAVED)]], 0, 0, rows, cols, None)
+        if data.dtype != torch.uint8 or not data.is_contiguous() or data.numel() != size:
+            raise ValueError(f"a {part.fmt} part {list(part.shape)} needs {size} contiguous bytes, got "
+                             f"{data.dtype} {list(data.shape)}")  # fmt: skip
+        return data
     row_bytes = part.format.row_bytes(cols)  # raises unless rows hold whole blocks
     if data.dtype != torch.uint8 or data.dim() != 2 or tuple(data.shape) != (rows, row_bytes):
         raise ValueError(f"a {part.fmt} part {list(part.shape)} needs uint8 [{rows}, {row_bytes}], got "

@@ -21,6 +21,8 @@ int kvlab_shm_allreduce(uint8_t* segment, int rank, int world, int64_t capacity,
                         double timeout_s);
 int kvlab_quant_matmul(int fmt, const uint8_t* w, int64_t ldw, const float* x, float* y, int64_t m, int64_t n,
                        int64_t ldy, int64_t out, int threads);
+int kvlab_mxfp4_matmul(const uint8_t* w, int64_t ldw, const float* x, int64_t ldx, float* y, int64_t ldy,
+                       int64_t rows_x, int64_t out_features, int64_t in_features, int threads);
 void kvlab_rms_norm_f32(const float* x, const float* w, float* y, int64_t rows, int64_t n, float eps);
 void kvlab_rope_f32(float* x, const float* cos, const float* signed_sin, int64_t tokens, int64_t heads, int64_t d,
                     int64_t token_stride);
@@ -28,8 +30,9 @@ void kvlab_rope_f32(float* x, const float* cos, const float* signed_sin, int64_t
 #define MAX_PARTS 3
 
 // One matrix of a linear layer: a float matrix (kind FLOAT_*, one part, row-major [rows, n]) or the
-// blocks of a GGUF format (kind BLOCKS, `fmt` a quant.c id, `ldw` bytes per row).
-enum { FLOAT32 = 0, BFLOAT16 = 1, FLOAT16 = 2, BLOCKS = 3 };
+// blocks of a GGUF format (kind BLOCKS, `fmt` a quant.c id, `ldw` bytes per row; kind MXFP4_BLOCKS:
+// mxfp4.c's format, gpt-oss's experts).
+enum { FLOAT32 = 0, BFLOAT16 = 1, FLOAT16 = 2, BLOCKS = 3, MXFP4_BLOCKS = 4 };
 
 typedef struct {
     int32_t kind, fmt;
@@ -45,6 +48,31 @@ typedef struct {
 } Linear;
 
 enum { ACT_SILU = 0, ACT_GELU_TANH = 1, ACTIVATIONS = 2 };  // the gated MLP's activation of its gate
+
+// A mixture of experts (kvlab/model/moe.py) as the layer's MLP: the router picks top_k of E experts per
+// row, each chosen expert multiplies all the rows that chose it at once (its matrices read once per step),
+// the weighted outputs summed expert by expert in ascending order (the modules' order); plus a shared
+// expert behind its sigmoid gate. Expert e's matrices are expert 0's parts moved by e · stride bytes.
+enum { ROUTE_SOFTMAX_TOPK = 0, ROUTE_TOPK_SOFTMAX = 1 };  // MoE.routing
+enum { EXPERT_SILU = 0, EXPERT_CLAMPED_SWIGLU = 1 };      // MoE.activation
+
+typedef struct {
+    int64_t num_experts, top_k, expert_size, shared_size;
+    int32_t routing, norm_topk_prob, activation;
+    float swiglu_limit, swiglu_alpha;
+    Linear router;                               // [E, hidden] (+ bias)
+    Linear gate_up, down;                        // expert 0's: gate_up [2I, hidden], down [hidden, I]; no bias
+    int64_t gate_up_stride[MAX_PARTS], down_stride[MAX_PARTS];  // bytes from one expert's part to the next's
+    const float *gate_up_bias, *down_bias;       // [E, 2I], [E, hidden], or NULL
+    Linear shared_gate_up, shared_down, shared_gate;  // the shared expert (shared_size > 0); its gate [1, hidden] or none
+} Moe;
+
+// Floats of scratch the MoE MLP of a step of B rows needs (moe.c)
+int64_t kvlab_moe_scratch_floats(const Moe* m, int64_t batch, int64_t hidden);
+// out [B, hidden] = the mixture of experts of x [B, hidden]; scratch: kvlab_moe_scratch_floats floats
+void kvlab_moe(const Moe* m, const float* x, float* out, int64_t B, int64_t hidden, float* scratch, int threads);
+// y [m, l->out] (row stride ldy) = x [m, l->in] · Wᵀ + bias (decode.c), part by part into its columns
+void kvlab_decode_linear(const Linear* l, const float* x, float* y, int64_t m, int64_t ldy, int threads);
 
 
 // A tensor-parallel rank's all-reduce after its row-parallel products (o, down), over the shared-memory
@@ -67,9 +95,12 @@ typedef struct {
     int64_t window;                             // 0: every key; W: the query and the W − 1 keys before it
     const float *attn_norm, *mlp_norm;          // [hidden]: before attention, before the MLP
     const float *attn_out_norm, *mlp_out_norm;  // [hidden]: on their outputs (Gemma's sandwich), or NULL
-    const float *q_norm, *k_norm;               // [head_dim], or NULL
+    const float *q_norm, *k_norm;               // [head_dim] (or the whole projections' with qk_norm_whole), or NULL
     Linear qkv, o, gate_up, down;
     const Reduce* reduce;                       // a tensor-parallel rank: o's and down's sums over ranks; or NULL
+    int32_t qk_norm_whole;                      // q and k normalised over all their heads at once (OLMoE)
+    const float* sinks;                         // [heads]: a learned sink logit per head in the softmax (gpt-oss), or NULL
+    const Moe* moe;                             // the MLP is this mixture of experts (gate_up, down unused), or NULL
 } Layer;
 
 typedef struct {
@@ -85,6 +116,7 @@ typedef struct {
     int64_t max_keys;
     float* scratch;                      // kvlab_decode_scratch_floats(...) floats
     int32_t rotate_k, rotate_v;          // keys / values stored Hadamard-rotated (KVFormats.rotate_k, _v)
+    float* moe_scratch;                  // the largest kvlab_moe_scratch_floats of the model's layers, or NULL
 } Step;
 
 // Attention splits each sequence's keys into chunks of CHUNK_KEYS (a fixed size, so that no value

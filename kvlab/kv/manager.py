@@ -119,6 +119,10 @@ class KVCacheManager:
         self._num_registered: dict[str, int] = {}  # leading blocks of each table already findable
         self._released: dict[str, list[int]] = {}  # per KV group: blocks before this one are NULL (window)
         self._pending_ops: list[BlockOp] = []  # copy-on-write after a truncation: done before the next forward
+        # full blocks registered since the last take_new_blocks() (key, block id), kept only for a second
+        # tier that copies them out (kv/prompt_cache.py: the disk)
+        self.track_new_blocks = False
+        self._new_blocks: list[tuple[BlockHash, int]] = []
         # a block's key in the pool's index is its chained hash, prefixed by its KV group (none for group 0):
         # the groups' blocks for the same tokens are different blocks, found and evicted independently
         self._prefixes = [b""] + [f"kv{g}/".encode() for g in range(1, len(self.groups))]
@@ -259,12 +263,42 @@ class KVCacheManager:
         if full <= done:
             return
         hashes, tokens = self._block_hashes(request), request.all_token_ids
+        # a request salted by its own id (prompt log-probabilities: kvlab/engine.py) is never found again
+        track = self.track_new_blocks and getattr(request.params, "prompt_logprobs", None) is None
         for g, table in enumerate(self.block_tables[rid]):
             for i in range(done, full):
                 if table[i] != NULL_BLOCK:  # not a block before a sliding window the request never held
-                    self.pool.register(table[i], self._parent(g, request, hashes, i), tokens[i * bs : (i + 1) * bs],
-                                       self._key(g, hashes[i]))  # fmt: skip
+                    key = self._key(g, hashes[i])
+                    if (self.pool.register(table[i], self._parent(g, request, hashes, i), tokens[i * bs : (i + 1) * bs],
+                                           key) and track):  # fmt: skip
+                        self._new_blocks.append((key, table[i]))
         self._num_registered[rid] = full
+
+    def take_new_blocks(self) -> list[tuple[BlockHash, int]]:
+        """(key, block id) of every full block registered since the last call (with `track_new_blocks`).
+        Their K/V are final; the blocks can be reused from the next step's allocations on."""
+        blocks, self._new_blocks = self._new_blocks, []
+        return blocks
+
+    # ---- a second tier (kv/prompt_cache.py): blocks loaded back from elsewhere ------------------
+
+    def prompt_hashes(self, request: Request) -> list[BlockHash]:
+        """Chained hashes of the whole blocks before the request's last token (not memoised: the request
+        may never reach the scheduler, and `free` would not forget it)."""
+        limit = (request.num_tokens - 1) // self.block_size
+        return hash_blocks(request.all_token_ids[: limit * self.block_size], self.block_size, [],
+                           salted_root(request.cache_salt))  # fmt: skip
+
+    def group_keys(self, block_hash: BlockHash) -> list[BlockHash]:
+        """The key of each KV group's block for the tokens of `block_hash`."""
+        return [self._key(g, block_hash) for g in range(len(self.groups))]
+
+    def adopt(self, request: Request, hashes: list[BlockHash], i: int, g: int, block_id: int) -> bool:
+        """Make `block_id` (allocated by the caller, its K/V loaded) findable as block i of KV group g of
+        the request's tokens (`hashes`: `prompt_hashes(request)`). False when that block is already
+        findable (the caller frees its copy)."""
+        tokens = request.all_token_ids[i * self.block_size : (i + 1) * self.block_size]
+        return self.pool.register(block_id, self._parent(g, request, hashes, i), tokens, self._key(g, hashes[i]))
 
     def slide_windows(self, request: Request) -> None:
         """Give back every block of a sliding group that no later query of the request can see (the

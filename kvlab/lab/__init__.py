@@ -17,7 +17,7 @@ import importlib
 
 # in the order `kvlab lab all` runs them and the report lists them
 EXPERIMENTS = ("phases", "cache", "roofline", "dtype", "bits", "context", "attention", "batching", "kv-verify", "kv-dtype",
-               "speculative")
+               "speculative", "long-context", "needle", "moe")
 
 
 def experiment_module(name: str):

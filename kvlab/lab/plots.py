@@ -227,7 +227,13 @@ def batching(plt, data):
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
     passes = data["passes"]
     xs = [p["tokens"] for p in passes]
-    left.plot(xs, [p["ms_per_token"] for p in passes], "o-")
+    left.plot(xs, [p["ms_per_token"] for p in passes], "o-", label="N tokens of one prompt")
+    steps = data.get("decode_steps") or []  # the serving engine's decode steps: B sequences, a token each
+    if steps:
+        left.plot([p["sequences"] for p in steps], [p["ms_per_token"] for p in steps], "s-",
+                  label="engine decode step, N sequences")  # fmt: skip
+        xs = sorted({*xs, *(p["sequences"] for p in steps)})
+        left.legend(fontsize=8)
     left.set(xlabel="tokens in one forward pass", ylabel="ms per token", title="Cost per token of one pass")
     log_x(left, xs)
     left.set_ylim(bottom=0)
@@ -238,7 +244,7 @@ def batching(plt, data):
     right.set(xlabel="sequences", ylabel="tokens per second", title="N sequences decoding")
     log_x(right, ns)
     right.set_ylim(bottom=0)
-    right.legend(fontsize=8)  # the left plot has one series: no legend
+    right.legend(fontsize=8)
     return fig
 
 
@@ -290,3 +296,71 @@ def speculative(plt, data):
 
 PLOTS = {"phases": phases, "cache": cache, "roofline": roofline, "dtype": dtype, "bits": bits, "context": context,
          "attention": attention, "batching": batching, "kv-dtype": kv_dtype, "speculative": speculative}  # fmt: skip
+
+
+def long_context(plt, data):
+    """Perplexity by position for each RoPE setting, the trained length marked."""
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    edges = data["edges"]
+    mids = [(lo + hi) / 2 for lo, hi in zip(edges, edges[1:])]
+    for s, marker in zip(data["series"], "osd^"):
+        ax.plot(mids, s["ppl"], marker=marker, label=s["label"])
+    ax.axvline(data["trained"], color="0.4", linestyle="--", linewidth=0.9,
+               label=f"trained context ({data['trained']:,})")  # fmt: skip
+    ax.set(xlabel="position of the predicted token", ylabel="perplexity (log scale)",
+           title="Perplexity against position, inside and past the trained context")  # fmt: skip
+    ax.xaxis.set_major_formatter(plt.FuncFormatter(lambda x, _: f"{x:,.0f}"))
+    log_y(ax)
+    ax.legend(fontsize=8)
+    return fig
+
+
+def needle(plt, data):
+    """Heat map of the share of needles found, by depth (rows) and context length (columns)."""
+    cells = {(c["length"], c["depth"]): sum(a["correct"] for a in c["answers"]) / len(c["answers"]) for c in data["cells"]}
+    lengths = [n for n in data["lengths"] if any((n, d) in cells for d in data["depths"])]
+    depths = data["depths"]
+    grid = [[cells.get((n, d), float("nan")) for n in lengths] for d in depths]
+    fig, ax = plt.subplots(figsize=(max(4.5, 1.6 + 1.3 * len(lengths)), 1.2 + 0.38 * len(depths)))
+    if not lengths:
+        ax.text(0.5, 0.5, "no context length fitted the model", ha="center", va="center")
+        ax.set_axis_off()
+        return fig
+    image = ax.imshow(grid, cmap="RdYlGn", vmin=0, vmax=1, aspect="auto")
+    ax.set_xticks(range(len(lengths)), [f"{n:,}" for n in lengths])
+    ax.set_yticks(range(len(depths)), [f"{d}%" for d in depths])
+    for i, row in enumerate(grid):
+        for j, value in enumerate(row):
+            if value == value:  # not NaN
+                ax.text(j, i, f"{value:.0%}", ha="center", va="center", fontsize=8)
+    ax.set(xlabel="context length (tokens)", ylabel="depth of the needle", title="Needles found")
+    fig.colorbar(image, ax=ax, fraction=0.05, label="share found")
+    return fig
+
+
+PLOTS.update({"long-context": long_context, "needle": needle})
+
+
+def moe(plt, data):
+    """Decode tok/s against sequences per step, measured (solid) and predicted from bytes (dashed)."""
+
+    def name(m: dict) -> str:
+        s = m["shape"]
+        return f"MoE {s['experts']}×{s['expert_size']}, top {s['top_k']}" if s["experts"] else f"dense, MLP {s['intermediate']:,}"
+
+    fig, ax = plt.subplots(figsize=(6.4, 4))
+    for m, color in zip(data["models"], ("tab:orange", "tab:blue")):
+        xs = [d["sequences"] for d in m["decode"]]
+        ax.plot(xs, [d["tok_s"] for d in m["decode"]], "o-", color=color, label=f"{name(m)}: measured")
+        ax.plot(xs, [d["predicted_tok_s"] for d in m["decode"]], "--", color=color, alpha=0.6,
+                label=f"{name(m)}: bandwidth ÷ bytes")  # fmt: skip
+    log_x(ax, [d["sequences"] for d in data["models"][0]["decode"]])
+    ax.set_yscale("log")
+    ax.set_xlabel("sequences per decode step")
+    ax.set_ylabel("decode tok/s (all sequences)")
+    ax.set_title("random blocks of real shapes: the values are noise", fontsize=8)
+    ax.legend(fontsize=7)
+    return fig
+
+
+PLOTS["moe"] = moe

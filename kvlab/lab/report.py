@@ -220,7 +220,7 @@ def header(results: dict) -> str:
         "Each section below takes one claim about inference cost from the course material this lab follows "
         "(a course module and a blog post, each named with its claim), measures it on this machine with this "
         "model, and says whether it held. Prompts are random token ids (a pass costs the same whichever "
-        "tokens it reads); all timings are wall-clock.",
+        "tokens it reads) except where a section says it reads real text; all timings are wall-clock.",
         facts,
     ]
     if s.get("quick"):

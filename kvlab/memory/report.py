@@ -79,6 +79,10 @@ def render_one(r: MemoryReport) -> str:
     if r.params_active and r.params_active != r.params_total:
         lines.append(f"  parameters: {fmt_count(r.params_total)} in total, {fmt_count(r.params_active)} "
                      "active per token")
+        if r.weight_bytes:  # what a decode step of one sequence reads: the active share of the bytes
+            per_token = r.weight_bytes * r.params_active // r.params_total
+            lines.append(f"  weights read per token: about {fmt_bytes(per_token)} of {fmt_bytes(r.weight_bytes)} "
+                         "(the active parameters' share)")
     if r.usable_bytes is not None:
         lines += ["", "  " + fit_sentence(r)]
     lines += [f"  note: {n}" for n in r.notes]

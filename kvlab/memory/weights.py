@@ -39,7 +39,8 @@ def mixer_params(mixer, hidden: int) -> _Parts:
         k_out, v_out = mixer.kv_heads * mixer.head_dim, mixer.kv_heads * mixer.v_head_dim
         o_in = mixer.num_heads * mixer.v_head_dim
         vectors = (q_out + k_out + v_out) * mixer.qkv_bias + h * mixer.o_bias
-        vectors += 2 * mixer.head_dim * mixer.qk_norm + mixer.num_heads * mixer.sinks
+        qk_norm = (q_out + k_out) if mixer.qk_norm_whole else 2 * mixer.head_dim  # OLMoE: whole projections
+        vectors += qk_norm * mixer.qk_norm + mixer.num_heads * mixer.sinks
         return _Parts(dense=h * (q_out + k_out + v_out) + o_in * h, vectors=vectors)
     if isinstance(mixer, MLA):
         qk_head = mixer.qk_nope_head_dim + mixer.qk_rope_head_dim

@@ -53,6 +53,28 @@ def materialized_attention(q, k, v, meta: AttentionMetadata, scale: float | None
     return out.view(B, H, T, D)
 
 
+def sink_attention(q, k, v, meta: AttentionMetadata, sinks: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+    """Attention with a learned sink logit per query head (gpt-oss): each head's softmax also runs over
+    one extra logit `sinks[h]` whose value row is zero, so a query may attend to nothing. sinks [H]."""
+    B, H, T, D = q.shape
+    Hkv, L = k.shape[1], k.shape[2]
+    group = H // Hkv
+    qg = q.reshape(B, Hkv, group * T, D)
+    scores = (qg @ k.transpose(-1, -2)).view(B, Hkv, group, T, L)  # [B, Hkv, g, T, L]
+    scores = scores / math.sqrt(D) if scale is None else scores * scale
+    if meta.attn_mask is not None:
+        allowed = meta.attn_mask.unsqueeze(2)
+    else:
+        allowed = torch.arange(L, device=q.device)[None, :] <= (L - T + torch.arange(T, device=q.device))[:, None]
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    sink = sinks.to(scores.dtype).view(1, Hkv, group, 1, 1).expand(B, Hkv, group, T, 1)
+    logits = torch.cat([scores, sink], dim=-1)  # [B, Hkv, g, T, L + 1]
+    logits = logits - logits.max(dim=-1, keepdim=True).values  # transformers' order of operations
+    weights = torch.softmax(logits, dim=-1)[..., :L].to(q.dtype)
+    out = weights.reshape(B, Hkv, group * T, L) @ v  # [B, Hkv, g·T, D]
+    return out.view(B, H, T, D)
+
+
 ATTENTION_BACKENDS = {"sdpa": sdpa_attention, "materialized": materialized_attention}
 
 

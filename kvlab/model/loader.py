@@ -15,7 +15,7 @@ from kvlab.gguf_file import GGUFFile
 from kvlab.model.auto_dtype import auto_dtype
 from kvlab.model.registry import architecture_of, check_architecture_name
 from kvlab.model.transformer import Transformer
-from kvlab.model.weights import iter_gguf, iter_safetensors, load_weights
+from kvlab.model.weights import from_gpt_oss, iter_gguf, iter_safetensors, load_weights
 from kvlab.quant.quantize import QUANTIZATIONS
 from kvlab.quant.transform import quantize_model
 
@@ -84,6 +84,8 @@ def load_model(
         config = load_config(path)
         architecture = architecture_of(config)
         tensors = iter_safetensors(path)
+        if architecture.family == "gpt_oss":  # its experts' own layout (interleaved gate/up, transposed)
+            tensors = from_gpt_oss(tensors)
     elif path.is_file():
         gguf = GGUFFile(path)
         config = config_from_gguf(gguf)
@@ -124,9 +126,12 @@ def native_blocks_supported(device: torch.device) -> bool:
 
 def weight_format(model: Transformer, quantization: str | None = None) -> str:
     """The matrices' storage in words: 'float32', 'Q4_1 + Q8_0 (as in the file)', 'q8_0 (quantized at load)'."""
+    from kvlab.model.experts import Experts
     from kvlab.quant.linear import PackedLinear
 
-    formats = sorted({f for m in model.modules() if isinstance(m, PackedLinear) for f in m.formats})
+    formats = {f for m in model.modules() if isinstance(m, PackedLinear) for f in m.formats}
+    formats |= {f for m in model.modules() if isinstance(m, Experts) for fs in m.formats.values() for f in fs}
+    formats = sorted(formats)
     if quantization:
         return f"{quantization} (quantized at load)"
     if formats:

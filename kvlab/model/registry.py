@@ -2,23 +2,27 @@
 
 An entry names the model class and the source quirks its weights need; `check_supported` reads
 the normalised ModelConfig layer by layer and refuses, in one line, anything the model would get
-wrong (an output gate, attention sinks, a bias it has no parameter for) instead of running it. What
+wrong (an output gate, a bias it has no parameter for, a routing it does not know) instead of running it. What
 it accepts is exactly what the decoder computes: softmax attention of one geometry in every layer
-(each with its own sliding window, rotary settings and q·k scale), q/k norms, a bias-free gated MLP
-(SiLU or tanh-GELU), two norms per layer or Gemma's four, scaled embeddings, a final logit softcap.
+(each with its own sliding window, rotary settings and q·k scale), q/k norms (per head, or over the whole
+projections as OLMoE's), q/k/v and o biases, attention sinks (gpt-oss), a bias-free gated MLP (SiLU or
+tanh-GELU) or a mixture of experts (kvlab.model.moe: Qwen's and OLMoE's softmax-then-top-k routing, gpt-oss's
+top-k-then-softmax with a router bias, SiLU or gpt-oss's clamped SwiGLU experts, a gated shared expert),
+two norms per layer or Gemma's four, scaled embeddings, a final logit softcap.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvlab.config import Attention, DenseMLP, ModelConfig
+from kvlab.config import Attention, DenseMLP, ModelConfig, MoE
+from kvlab.config.layers import EXPERT_ACTIVATIONS, ROUTINGS
 from kvlab.errors import KvlabError
 
 
 @dataclass(frozen=True)
 class Architecture:
-    family: str  # the decoder family: llama, qwen2, qwen3, gemma3
+    family: str  # the decoder family: llama, qwen2, qwen3, gemma3, qwen2_moe, qwen3_moe, olmoe, gpt_oss
     gguf_permuted_qk: bool = False  # llama.cpp reorders q/k rows of this family when converting
 
 
@@ -30,6 +34,13 @@ ARCHITECTURES = {
     "qwen3": Architecture("qwen3"),
     "gemma3": Architecture("gemma3"),  # GGUF (llama.cpp's name)
     "gemma3_text": Architecture("gemma3"),  # config.json (Gemma3ForCausalLM; the text model of Gemma 3)
+    "qwen2_moe": Architecture("qwen2_moe"),
+    "qwen2moe": Architecture("qwen2_moe"),  # GGUF
+    "qwen3_moe": Architecture("qwen3_moe"),
+    "qwen3moe": Architecture("qwen3_moe"),  # GGUF
+    "olmoe": Architecture("olmoe"),  # config.json and GGUF alike
+    "gpt_oss": Architecture("gpt_oss"),
+    "gpt-oss": Architecture("gpt_oss"),  # GGUF
 }
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # the gated MLPs kvlab.model.layers has
 
@@ -61,17 +72,37 @@ def _unsupported_feature(config: ModelConfig) -> str | None:
         m, mlp = layer.mixer, layer.mlp
         if not isinstance(m, Attention):
             return f"layer {i} is {layer.label}"
-        if m.output_gate or m.sinks or m.o_bias or m.v_head_dim != m.head_dim:
-            return f"layer {i}'s attention has an output gate, sinks, an o_proj bias or a separate value size"
+        if m.output_gate or m.v_head_dim != m.head_dim:
+            return f"layer {i}'s attention has an output gate or a separate value size"
         same = (m.num_heads, m.kv_heads, m.head_dim, m.qkv_bias, m.qk_norm)  # one paged cache for every layer
         if same != (first.num_heads, first.kv_heads, first.head_dim, first.qkv_bias, first.qk_norm):
             return f"layer {i}'s attention differs in shape from layer 0's"
         if m.window is not None and m.window < 1:
             return f"layer {i} has a sliding window of {m.window} tokens"
-        if not isinstance(mlp, DenseMLP) or not mlp.gated or mlp.bias or mlp.activation not in ACTIVATIONS:
+        if isinstance(mlp, MoE):
+            problem = _unsupported_moe(mlp)
+            if problem:
+                return f"layer {i}'s mixture of experts {problem}"
+        elif not isinstance(mlp, DenseMLP) or not mlp.gated or mlp.bias or mlp.activation not in ACTIVATIONS:
             return f"layer {i}'s MLP is not a bias-free gated MLP ({' or '.join(ACTIVATIONS)})"
-        if mlp.intermediate_size != config.intermediate_size:
-            return f"layer {i}'s MLP differs in size from layer 0's"
+        elif mlp.intermediate_size != config.intermediate_size:
+            return f"layer {i}'s MLP differs in size from the first dense MLP's"
         if layer.norms not in (2, 4):
             return f"layer {i} has {layer.norms} norms"
+    return None
+
+
+def _unsupported_moe(moe: MoE) -> str | None:
+    """What of a mixture of experts kvlab.model.moe does not compute (None: all of it)."""
+    if moe.routing not in ROUTINGS:
+        return f"routes with {moe.routing} (kvlab routes with {', '.join(ROUTINGS)})"
+    if moe.score_bias:
+        return "has a routing correction bias (DeepSeek-V3's)"
+    if not moe.gated or moe.activation not in EXPERT_ACTIVATIONS:
+        return f"has {moe.activation} experts{'' if moe.gated else ' without a gate'} (kvlab runs gated " \
+               f"{' or '.join(EXPERT_ACTIVATIONS)} experts)"
+    if moe.shared_size and not moe.shared_gate:
+        return "has an ungated shared expert (DeepSeek's)"
+    if not 0 < moe.top_k <= moe.num_experts:
+        return f"chooses {moe.top_k} of {moe.num_experts} experts"
     return None

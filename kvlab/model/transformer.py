@@ -15,10 +15,11 @@ import torch
 from torch import nn
 
 from kvlab.config import Attention as AttentionConfig
-from kvlab.config import ModelConfig, RopeConfig
+from kvlab.config import ModelConfig, MoE, RopeConfig
 from kvlab.kv.cache import AttentionMetadata, KVCache
-from kvlab.model.attention import ATTENTION_BACKENDS, sdpa_attention
+from kvlab.model.attention import ATTENTION_BACKENDS, sdpa_attention, sink_attention
 from kvlab.model.layers import GATED_MLPS, Embedding, Linear, OffsetRMSNorm, RMSNorm
+from kvlab.model.moe import MoEBlock
 from kvlab.model.rope import RotaryEmbedding, apply_rotary
 
 
@@ -27,6 +28,23 @@ def make_norm(config: ModelConfig, dim: int) -> RMSNorm:
     if config.norm_offset is None:
         return RMSNorm(dim, config.rms_norm_eps)
     return OffsetRMSNorm(dim, config.rms_norm_eps, config.norm_offset)
+
+
+class SinkLogits(nn.Module):
+    """gpt-oss's attention sinks: one learned logit per query head [H], read whole by every pass."""
+
+    def __init__(self, num_heads: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_heads), requires_grad=False)
+
+    def weight_tensors(self) -> list[torch.Tensor]:
+        return [self.weight]
+
+    def nbytes(self) -> int:
+        return self.weight.numel() * self.weight.element_size()
+
+    def bytes_read_per_token(self) -> int:
+        return self.nbytes()
 
 
 class Attention(nn.Module):
@@ -43,17 +61,25 @@ class Attention(nn.Module):
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.qkv_proj = Linear(config.hidden_size, q_size + 2 * kv_size, bias=mixer.qkv_bias,
                                parts=(q_size, kv_size, kv_size))  # fmt: skip
-        self.o_proj = Linear(q_size, config.hidden_size)
-        self.q_norm = make_norm(config, self.head_dim) if mixer.qk_norm else None
-        self.k_norm = make_norm(config, self.head_dim) if mixer.qk_norm else None
+        self.o_proj = Linear(q_size, config.hidden_size, bias=mixer.o_bias)
+        # q/k norms per head (Qwen3, Gemma 3), or over the whole projections (OLMoE: `qk_norm_whole`)
+        self.qk_norm_whole, self.clip_qkv = mixer.qk_norm_whole, mixer.clip_qkv
+        q_norm_size, k_norm_size = (q_size, kv_size) if mixer.qk_norm_whole else (self.head_dim, self.head_dim)
+        self.q_norm = make_norm(config, q_norm_size) if mixer.qk_norm else None
+        self.k_norm = make_norm(config, k_norm_size) if mixer.qk_norm else None
+        # gpt-oss: one learned sink logit per query head in every softmax [H]
+        self.sinks = SinkLogits(self.num_heads) if mixer.sinks else None
         self.attend = sdpa_attention  # see kvlab.model.attention; Transformer.set_attention swaps it
 
     def forward(self, x, cos, sin, cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         B, T, _ = x.shape
         H, Hkv = self.num_heads, self.num_kv_heads
-        qkv = self.qkv_proj(x).view(B, T, H + 2 * Hkv, self.head_dim)  # q heads, then k, then v
+        qkv = self.qkv_proj(x)  # [B, T, (H + 2·Hkv)·D]
+        if self.qk_norm_whole or self.clip_qkv is not None:
+            qkv = self._whole_norm_and_clip(qkv)
+        qkv = qkv.view(B, T, H + 2 * Hkv, self.head_dim)  # q heads, then k, then v
         qk, v = qkv[:, :, : H + Hkv], qkv[:, :, H + Hkv :]
-        if self.q_norm is not None:  # Qwen3, Gemma 3: normalise each head of q and k before rotating it
+        if self.q_norm is not None and not self.qk_norm_whole:  # Qwen3, Gemma 3: each head of q and k
             qk = torch.cat([self.q_norm(qk[:, :, :H]), self.k_norm(qk[:, :, H:])], dim=2)
         qk = apply_rotary(qk, cos, sin)  # q and k rotated together: [B, T, H + Hkv, D]
         q = qk[:, :, :H].transpose(1, 2)  # [B, H, T, D]
@@ -62,8 +88,19 @@ class Attention(nn.Module):
 
         # the cache stores k, v and runs the attention over every key each query may see
         attention = self.attend if self.scale is None else functools.partial(self.attend, scale=self.scale)
+        if self.sinks is not None:
+            attention = functools.partial(sink_attention, sinks=self.sinks.weight, scale=self.scale)
         out = cache.attend(self.layer_index, q, k, v, meta, attention)  # [B, H, T, D]
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
+
+    def _whole_norm_and_clip(self, qkv: torch.Tensor) -> torch.Tensor:
+        """OLMoE: q and k normalised over their whole projections, then q, k, v clamped to ±clip_qkv."""
+        q, k, v = qkv.split(self.qkv_proj.parts, dim=-1)
+        if self.qk_norm_whole:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.clip_qkv is not None:
+            q, k, v = (t.clamp(-self.clip_qkv, self.clip_qkv) for t in (q, k, v))
+        return torch.cat([q, k, v], dim=-1)
 
 
 class DecoderLayer(nn.Module):
@@ -74,8 +111,7 @@ class DecoderLayer(nn.Module):
         self.input_norm = make_norm(config, config.hidden_size)
         self.attn = Attention(config, layer_index)
         self.post_attn_norm = make_norm(config, config.hidden_size)
-        mlp = config.layers[layer_index].mlp
-        self.mlp = GATED_MLPS[mlp.activation](config.hidden_size, mlp.intermediate_size)
+        self.mlp = make_mlp(config, layer_index)
 
     def forward(self, x, cos, sin, cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         x = x + self.attn(self.input_norm(x), cos, sin, cache, meta)
@@ -96,6 +132,14 @@ class SandwichDecoderLayer(DecoderLayer):
     def forward(self, x, cos, sin, cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         x = x + self.post_attn_norm(self.attn(self.input_norm(x), cos, sin, cache, meta))
         return x + self.post_mlp_norm(self.mlp(self.pre_mlp_norm(x)))
+
+
+def make_mlp(config: ModelConfig, layer_index: int) -> nn.Module:
+    """The layer's MLP: a gated MLP, or a mixture of experts (kvlab.model.moe)."""
+    mlp = config.layers[layer_index].mlp
+    if isinstance(mlp, MoE):
+        return MoEBlock(config, mlp)
+    return GATED_MLPS[mlp.activation](config.hidden_size, mlp.intermediate_size)
 
 
 def make_layer(config: ModelConfig, layer_index: int) -> DecoderLayer:

@@ -41,6 +41,23 @@ _GGUF_TO_HF = {
     "ffn_gate.weight": "model.layers.{i}.mlp.gate_proj.weight",
     "ffn_up.weight": "model.layers.{i}.mlp.up_proj.weight",
     "ffn_down.weight": "model.layers.{i}.mlp.down_proj.weight",
+    "post_attention_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",  # gpt-oss's MLP input norm
+    "attn_output.bias": "model.layers.{i}.self_attn.o_proj.bias",
+    "attn_sinks.weight": "model.layers.{i}.self_attn.sinks",
+    # a mixture of experts: the router, the experts' 3-D tensors [E, rows, in], the shared expert
+    "ffn_gate_inp.weight": "model.layers.{i}.mlp.gate.weight",
+    "ffn_gate_inp.bias": "model.layers.{i}.mlp.router.bias",
+    "ffn_gate_exps.weight": "model.layers.{i}.mlp.experts.gate_exps",
+    "ffn_up_exps.weight": "model.layers.{i}.mlp.experts.up_exps",
+    "ffn_gate_up_exps.weight": "model.layers.{i}.mlp.experts.gate_up_proj",
+    "ffn_down_exps.weight": "model.layers.{i}.mlp.experts.down_proj",
+    "ffn_gate_exps.bias": "model.layers.{i}.mlp.experts.gate_exps_bias",
+    "ffn_up_exps.bias": "model.layers.{i}.mlp.experts.up_exps_bias",
+    "ffn_down_exps.bias": "model.layers.{i}.mlp.experts.down_proj_bias",
+    "ffn_gate_shexp.weight": "model.layers.{i}.mlp.shared_expert.gate_proj.weight",
+    "ffn_up_shexp.weight": "model.layers.{i}.mlp.shared_expert.up_proj.weight",
+    "ffn_down_shexp.weight": "model.layers.{i}.mlp.shared_expert.down_proj.weight",
+    "ffn_gate_inp_shexp.weight": "model.layers.{i}.mlp.shared_expert_gate.weight",
 }
 # Gemma's four norms per block: llama.cpp's ffn_norm is the MLP's input norm there too, but
 # transformers calls it pre_feedforward_layernorm (post_attention_layernorm normalises the attention's output)
@@ -69,13 +86,35 @@ _LAYER_TO_OURS = {
     "mlp.gate_proj.weight": ("mlp.gate_up_proj.weight", 0),
     "mlp.up_proj.weight": ("mlp.gate_up_proj.weight", 1),
     "mlp.down_proj.weight": ("mlp.down_proj.weight", None),
+    "self_attn.o_proj.bias": ("attn.o_proj.bias", None),
+    "self_attn.sinks": ("attn.sinks.weight", None),
+    # a mixture of experts (kvlab.model.moe): the router, the experts stacked, the shared expert
+    "mlp.gate.weight": ("mlp.router.weight", None),
+    "mlp.router.weight": ("mlp.router.weight", None),
+    "mlp.router.bias": ("mlp.router.bias", None),
+    "mlp.experts.gate_up_proj": ("mlp.experts.gate_up", None),  # [E, 2I, hidden]: transformers 5's fused form
+    "mlp.experts.down_proj": ("mlp.experts.down", None),  # [E, hidden, I]
+    "mlp.experts.gate_up_proj_bias": ("mlp.experts.gate_up_bias", None),
+    "mlp.experts.down_proj_bias": ("mlp.experts.down_bias", None),
+    "mlp.experts.gate_exps": ("mlp.experts.gate_up", 0),  # GGUF's gate and up apart: [E, I, hidden] each
+    "mlp.experts.up_exps": ("mlp.experts.gate_up", 1),
+    "mlp.experts.gate_exps_bias": ("mlp.experts.gate_up_bias", 0),  # [E, I] each
+    "mlp.experts.up_exps_bias": ("mlp.experts.gate_up_bias", 1),
+    "mlp.shared_expert.gate_proj.weight": ("mlp.shared_expert.gate_up_proj.weight", 0),
+    "mlp.shared_expert.up_proj.weight": ("mlp.shared_expert.gate_up_proj.weight", 1),
+    "mlp.shared_expert.down_proj.weight": ("mlp.shared_expert.down_proj.weight", None),
+    "mlp.shared_expert_gate.weight": ("mlp.shared_expert_gate.weight", None),
 }
+# one expert's own matrices (checkpoints that store a module per expert): expert e's gate and up are parts
+# 2e and 2e + 1 of the stacked gate_up [E, 2I, hidden], its down part e of down [E, hidden, I]
+_EXPERT_RE = re.compile(r"mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight")
 _TOP_TO_OURS = {
     "model.embed_tokens.weight": "embed_tokens.weight",
     "model.norm.weight": "norm.weight",
     "lm_head.weight": "lm_head.weight",
 }
-_FUSED_PARTS = {"attn.qkv_proj": 3, "mlp.gate_up_proj": 2}
+_FUSED_PARTS = {"attn.qkv_proj.weight": 3, "attn.qkv_proj.bias": 3, "mlp.gate_up_proj.weight": 2,
+                "mlp.shared_expert.gate_up_proj.weight": 2}
 _LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)")
 
 
@@ -87,7 +126,52 @@ def to_our_name(hf_name: str) -> tuple[str, int | None] | None:
     if match and match.group(2) in _LAYER_TO_OURS:
         ours, part = _LAYER_TO_OURS[match.group(2)]
         return f"layers.{match.group(1)}.{ours}", part
+    expert = _EXPERT_RE.fullmatch(match.group(2)) if match else None
+    if expert:
+        e, which = int(expert.group(1)), expert.group(2)
+        if which == "down":
+            return f"layers.{match.group(1)}.mlp.experts.down", e
+        return f"layers.{match.group(1)}.mlp.experts.gate_up", 2 * e + (which == "up")
     return None
+
+
+def _num_parts(name: str, shape: tuple[int, ...], part) -> int:
+    """How many checkpoint tensors make our fused parameter `name` of `shape`: q/k/v 3, gate/up 2; the
+    stacked experts 2 when they come stacked (GGUF's gate and up), else one per expert and matrix."""
+    if ".mlp.experts." in name and len(part.shape) == len(shape):
+        return 2  # gate and up, each [E, I, hidden] (or their biases [E, I])
+    if name.endswith("mlp.experts.gate_up"):
+        return 2 * shape[0]
+    if name.endswith("mlp.experts.down"):
+        return shape[0]
+    return _FUSED_PARTS[name.split(".", 2)[2]]
+
+
+def from_gpt_oss(tensors: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor | PackedTensor]]:
+    """gpt-oss's expert layout → transformers' usual one: its fused gate_up_proj [E, hidden, 2I] holds gate
+    and up interleaved column by column (gate = [..., ::2], up = [..., 1::2]) and down_proj is [E, I, hidden];
+    here gate_up [E, 2I, hidden] is every expert's gate rows then its up rows, and down [E, hidden, I].
+
+    OpenAI's own checkpoints store the experts as MXFP4 (`*_blocks` [E, out, in/32, 16], `*_scales` [E, out,
+    in/32]); they stay blocks, repacked into GGML's MXFP4 (`mxfp4_from_openai`) and kept packed."""
+    mx: dict[str, dict[str, torch.Tensor]] = {}
+    for name, t in tensors:
+        if name.endswith(("_proj_blocks", "_proj_scales")):
+            stem, _, kind = name.rpartition("_")
+            pair = mx.setdefault(stem, {})
+            pair[kind] = t
+            if len(pair) == 2:
+                yield stem, mxfp4_from_openai(pair["blocks"], pair["scales"], gate_up=stem.endswith("gate_up_proj"))
+                del mx[stem]
+            continue
+        if name.endswith("mlp.experts.gate_up_proj"):
+            t = t.transpose(1, 2)  # [E, 2I, hidden], rows interleaved
+            t = torch.cat([t[:, 0::2], t[:, 1::2]], dim=1).contiguous()
+        elif name.endswith("mlp.experts.gate_up_proj_bias"):
+            t = torch.cat([t[:, 0::2], t[:, 1::2]], dim=1).contiguous()
+        elif name.endswith("mlp.experts.down_proj"):
+            t = t.transpose(1, 2).contiguous()
+        yield name, t
 
 
 # ---- sources ------------------------------------------------------------------------------
@@ -147,12 +231,14 @@ def iter_gguf(
         heads = None
         if permuted_qk and rest in ("attn_q.weight", "attn_k.weight"):
             heads = config.num_heads if rest == "attn_q.weight" else config.num_kv_heads
-        if native and len(info.shape) == 2 and info.type_name != "F32":  # F32 is float already
+        if native and len(info.shape) in (2, 3) and info.type_name != "F32":  # F32 is float already
             yield hf_name, _packed(gguf, name, heads)
             continue
         w = gguf.dequantize(name)
         if heads:
             w = _unpermute_llama(w, heads)
+        if rest == "ffn_gate_inp_shexp.weight":  # llama.cpp's [hidden]: the shared expert's gate is [1, hidden]
+            w = w.reshape(1, -1)
         yield hf_name, torch.from_numpy(np.array(w, dtype=np.float32))  # a copy: the file map is read-only
 
 
@@ -183,6 +269,21 @@ def _can_dequantize(type_name: str) -> bool:
     return True
 
 
+def mxfp4_from_openai(blocks: torch.Tensor, scales: torch.Tensor, gate_up: bool) -> PackedTensor:
+    """OpenAI's MXFP4 experts → GGML's MXFP4 blocks, uint8 [E, out, in/32 · 17], the same numbers.
+
+    OpenAI: byte k of a block holds codes 2k (low nibble) and 2k + 1 (high), w = fp4(q) · 2^(s − 127); GGML:
+    the exponent byte, then byte j holds codes j and j + 16, w = 2·fp4(q) · 2^(s − 128). The exponent byte
+    is the same; only the nibbles move. gate_up: rows interleave gate and up; they become gate rows, then up."""
+    E, rows, groups, _ = blocks.shape  # [E, out, in/32, 16]
+    codes = torch.stack([blocks & 0x0F, blocks >> 4], dim=-1).reshape(E, rows, groups, 32)  # in order
+    packed = codes[..., :16] | (codes[..., 16:] << 4)  # GGML: byte j = codes j, j + 16
+    data = torch.cat([scales.to(torch.uint8).unsqueeze(-1), packed], dim=-1).reshape(E, rows, groups * 17)
+    if gate_up:
+        data = torch.cat([data[:, 0::2], data[:, 1::2]], dim=1)
+    return PackedTensor("MXFP4", (E, rows, groups * 32), data.contiguous())
+
+
 # ---- loading into the model --------------------------------------------------------------
 
 
@@ -201,7 +302,12 @@ def load_weights(model: torch.nn.Module, tensors: Iterator[tuple[str, torch.Tens
     def assign(name: str, value: torch.Tensor | list[PackedTensor]) -> None:
         expected = tuple(params[name].shape)
         module_name, _, attr = name.rpartition(".")
-        if isinstance(value, list):
+        if isinstance(value, list) and len(expected) == 3:  # an MoE layer's stacked experts, kept as blocks
+            shape = (value[0].shape[0], sum(p.shape[1] for p in value), value[0].shape[2])
+            parts = [PackedTensor(p.fmt, p.shape, p.data.to(device)) for p in value]
+            if shape == expected:
+                model.get_submodule(module_name).set_packed(attr, parts)
+        elif isinstance(value, list):
             shape = (sum(p.shape[0] for p in value), value[0].shape[1])
             packed[module_name] = [PackedTensor(p.fmt, p.shape, p.data.to(device)) for p in value]
         else:
@@ -224,12 +330,18 @@ def load_weights(model: torch.nn.Module, tensors: Iterator[tuple[str, torch.Tens
             continue
         parts = pending.setdefault(name, {})
         parts[part] = tensor
-        if len(parts) == _FUSED_PARTS[name.split(".", 2)[2].rsplit(".", 1)[0]]:
+        shape = tuple(params[name].shape)
+        if len(parts) == _num_parts(name, shape, tensor):
             values = [parts[i] for i in range(len(parts))]
             if all(isinstance(v, PackedTensor) for v in values):
                 assign(name, values)
             else:
-                assign(name, torch.cat([v.dequantize() if isinstance(v, PackedTensor) else v for v in values]))
+                floats = [v.dequantize() if isinstance(v, PackedTensor) else v for v in values]
+                if len(floats[0].shape) == len(shape) and ".mlp.experts." in name:  # [E, I, ...] each: per expert
+                    assign(name, torch.cat(floats, dim=1))
+                else:
+                    stacked = torch.cat(floats)
+                    assign(name, stacked.view(shape) if stacked.numel() == params[name].numel() else stacked)
             del pending[name]
 
     _install_packed(model, packed, dtype)

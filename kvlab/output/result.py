@@ -19,6 +19,7 @@ class RequestMetrics:
 
     prompt_tokens: int = 0
     cached_prompt_tokens: int = 0  # prompt tokens whose K/V were already in the cache (prefix cache, chat turns)
+    cached_prompt_tokens_disk: int = 0  # of those, tokens whose blocks were read back from --prompt-cache-dir
     generated_tokens: int = 0
     ttft_s: float = 0.0  # arrival → first token: queue_s + prefill_s
     prefill_s: float = 0.0  # first scheduled → first token (wall time, chunks and the steps between them)
@@ -64,6 +65,7 @@ class RequestMetrics:
         """Where this request's time went: the `kvlab` field of the server's responses."""
         keys = ("queue_s", "prefill_s", "prefill_compute_s", "prefill_chunks", "prefill_shared_steps", "ttft_s",
                 "decode_s", "decode_steps", "mean_decode_batch", "tpot_s", "prompt_tokens", "cached_prompt_tokens",
+                "cached_prompt_tokens_disk",
                 "prefill_tokens", "generated_tokens", "num_preemptions", "kv_blocks", "kv_cache_bytes")  # fmt: skip
         d = self.to_dict()
         split = {k: round(d[k], 6) if isinstance(d[k], float) else d[k] for k in keys}

@@ -152,6 +152,8 @@ def mlp_ranges(size: int, align: int, world: int) -> list[tuple[int, int]]:
 
 
 def _shard_mlp(mlp, group: TPGroup) -> int:
+    if not hasattr(mlp, "down_proj"):  # kvlab.model.moe's MoEBlock
+        raise KvlabError("a mixture-of-experts layer cannot be split over tensor-parallel ranks yet")
     down = mlp.down_proj
     align = max((p.format.block_values for p in down.packed()), default=1) if isinstance(down, PackedLinear) else 1
     lo, hi = mlp_ranges(mlp.intermediate_size, align, group.world_size)[group.rank]

@@ -3,6 +3,7 @@
     kvlab quality smollm2-135m --kv-cache-dtype q8_0
     kvlab quality qwen2.5-coder-0.5b --cache-type-k q8_0 --cache-type-v q4_0 --json
     kvlab quality ~/models/model-f16 --quantization q4_0 --text notes.txt
+    kvlab quality qwen2.5-coder-0.5b --activation-quant int8
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ def register(subparsers) -> None:
     g.add_argument("--dequantize", action="store_true", help="the measured setting expands a GGUF file's blocks")
     g.add_argument("--quantization", choices=["q8_0", "q4_0"],
                    help="the measured setting quantizes a float checkpoint's weights at load")
+    g.add_argument("--activation-quant", choices=["int8"],
+                   help="the measured setting rounds activations to 8 bits in its products (run's --activation-quant)")
     g.add_argument("--device", default="cpu", help="torch device (default cpu)")
     g.add_argument("--threads", type=int, help="CPU threads (default: torch's count)")
     t = p.add_argument_group("text")
@@ -76,10 +79,14 @@ def run(args: argparse.Namespace) -> int:
     dtype = getattr(torch, args.dtype)
     formats = KVFormats.resolve(args.kv_cache_dtype, args.cache_type_k, args.cache_type_v, dtype, args.kv_rotation)
     ref_loaded = load_model(args.model, dtype="float32", device=args.device, max_positions=args.window)
-    own_weights = args.dtype == "float32" and not args.dequantize and not args.quantization
+    own_weights = args.dtype == "float32" and not args.dequantize and not args.quantization and not args.activation_quant
     loaded = ref_loaded if own_weights else load_model(
         args.model, dtype=args.dtype, device=args.device, max_positions=args.window,
         dequantize=args.dequantize, quantization=args.quantization)  # fmt: skip
+    if args.activation_quant:
+        from kvlab.quant.activations import with_int8_activations
+
+        loaded = with_int8_activations(loaded)
     tokenizer = load_tokenizer(ref_loaded)
     if tokenizer is None:
         raise KvlabError(f"{args.model} has no tokenizer to read text with")
@@ -91,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
     bos = tokenizer.bos_token_id if specials[:1] == [tokenizer.bos_token_id] else None
 
     policy = ThreadPolicy(threads=args.threads)
-    weights = store.weights_name(args.dequantize, args.quantization)
+    weights = store.weights_name(args.dequantize, args.quantization, args.activation_quant)
     name = f"{formats.description} KV, weights {weights}" + ("" if args.dtype == "float32" else f", {args.dtype}")
     reference = Candidate("float32 KV, weights as stored", ref_loaded, KVFormats.plain(torch.float32), policy)
     candidate = Candidate(name, loaded, formats, policy)

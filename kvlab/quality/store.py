@@ -18,10 +18,9 @@ from pathlib import Path
 from kvlab.kv.formats import KVFormat, KVFormats
 
 
-def weights_name(dequantize: bool = False, quantization: str | None = None) -> str:
-    if quantization:
-        return f"{quantization} at load"
-    return "dequantized" if dequantize else "as stored"
+def weights_name(dequantize: bool = False, quantization: str | None = None, activation_quant: str | None = None) -> str:
+    name = f"{quantization} at load" if quantization else "dequantized" if dequantize else "as stored"
+    return f"{name}, {activation_quant} activations" if activation_quant else name
 
 
 def _fmt(f: KVFormat) -> str:
@@ -69,26 +68,31 @@ def lookup(model_path: Path, key: str) -> dict | None:
     return max(found, key=lambda r: r.get("measured", "")) if found else None
 
 
-def advice(model_arg: str, model_path: Path, formats: KVFormats, dequantize=False, quantization=None) -> str | None:
+def advice(model_arg: str, model_path: Path, formats: KVFormats, dequantize=False, quantization=None,
+           activation_quant=None) -> str | None:  # fmt: skip
     """One line for a lossy setting: its measured verdict when worrying, how to measure it when none is
-    kept; None for the model's own weights with a float cache, or a measured `ok`."""
-    if not formats.is_quantized and not quantization:
+    kept; None for the model's own weights with a float cache and exact activations, or a measured `ok`."""
+    if not formats.is_quantized and not quantization and not activation_quant:
         return None
-    key = setting_key(formats, weights_name(dequantize, quantization))
+    key = setting_key(formats, weights_name(dequantize, quantization, activation_quant))
     found = lookup(model_path, key)
     what = formats.description if formats.is_quantized else "float KV"
     if quantization:
         what += f", weights {quantization}"
+    if activation_quant:
+        what += f", {activation_quant} activations"
     if found is None:
         flags = (f"--cache-type-k {formats.k.name} --cache-type-v {formats.v.name}" if formats.k.name != formats.v.name
-                 else f"--kv-cache-dtype {formats.k.name}")  # fmt: skip
+                 else f"--kv-cache-dtype {formats.k.name}" if formats.is_quantized else "")  # fmt: skip
         default = KVFormats.resolve(cache_type_k=formats.k.name, cache_type_v=formats.v.name)
-        if (formats.rotate_k, formats.rotate_v) != (default.rotate_k, default.rotate_v):
+        if formats.is_quantized and (formats.rotate_k, formats.rotate_v) != (default.rotate_k, default.rotate_v):
             flags += " --kv-rotation " + ("off" if not formats.rotate else "on")
         if quantization:
             flags += f" --quantization {quantization}"
+        if activation_quant:
+            flags += f" --activation-quant {activation_quant}"
         return (f"note: the quality of {what} on this model has not been measured; "
-                f"`kvlab quality {model_arg} {flags}` measures it (KL divergence against float32 KV)")  # fmt: skip
+                f"`kvlab quality {model_arg} {flags.strip()}` measures it (KL divergence against float32 KV)")  # fmt: skip
     figures = f"mean KLD {found['mean_kld']:.4f}, same top token {100 * found['same_top_p']:.1f}%"
     if found["verdict"] == "unsafe":
         return f"warning: {what} measured unsafe on this model ({figures}): expect visibly worse answers"

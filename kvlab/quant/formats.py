@@ -15,6 +15,8 @@ they agree with the `gguf` package's numpy dequantization (the tests' oracle) bi
     Q5_K  256 values, 176 B: as Q4_K plus 32 B of fifth bits
     Q6_K  256 values, 210 B: 128 B low nibbles, 64 B high 2-bit pairs, int8 scales for 16 groups
                              of 16, fp16 d                               w = (d·sc)·(q − 32)
+    MXFP4  32 values, 17 B: E8M0 exponent e, 16 B of FP4 (E2M1) nibbles  w = 2^(e − 127) · fp4(q)
+                             (gpt-oss's experts; its C kernel is kernels/mxfp4.c)
 
 In the 32-value formats byte j holds weight j in its low nibble and weight j + 16 in its high one.
 Plain F32, F16 and BF16 matrices are formats of one value per "block", so every stored matrix goes
@@ -125,6 +127,23 @@ def dequantize_q6_k(blocks: torch.Tensor) -> torch.Tensor:
     return ((d * scales)[:, :, None] * q).reshape(n, QK_K)
 
 
+# FP4 (E2M1) codes doubled, as ggml keeps them (kvalues_mxfp4): the scale is then halved, 2^(e − 128)
+MXFP4_VALUES = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
+
+
+def mxfp4_half_scale(e: torch.Tensor) -> torch.Tensor:
+    """E8M0 exponents (uint8) → 2^(e − 128) as float32, built from its bits as ggml does (e < 2: subnormal)."""
+    e = e.to(torch.int32)
+    bits = torch.where(e < 2, torch.tensor(0x00200000, dtype=torch.int32) << e, (e - 1) << 23)
+    return bits.view(torch.float32)
+
+
+def dequantize_mxfp4(blocks: torch.Tensor) -> torch.Tensor:
+    d = mxfp4_half_scale(blocks[:, 0:1])  # [n, 1]
+    table = torch.tensor(MXFP4_VALUES, dtype=torch.float32, device=blocks.device)
+    return d * table[_nibbles(blocks[:, 1:17]).long()]
+
+
 @dataclass(frozen=True)
 class BlockFormat:
     """One GGUF block type: its size and its reference dequantization."""
@@ -172,5 +191,6 @@ FORMATS: dict[str, BlockFormat] = {
         BlockFormat("Q4_K", QK_K, 144, dequantize_q4_k),
         BlockFormat("Q5_K", QK_K, 176, dequantize_q5_k),
         BlockFormat("Q6_K", QK_K, 210, dequantize_q6_k),
+        BlockFormat("MXFP4", 32, 17, dequantize_mxfp4),
     )
 }

@@ -6,10 +6,12 @@
 
 They implement the linear layer's seam (`forward`, `forward_parts`, `nbytes`,
 `bytes_read_per_token`, `macs_per_token`), so the model, the roofline and the memory plan use them
-as they use `kvlab.model.layers.Linear`. Decode-sized inputs on a CPU go to the C kernels, which read
-the blocks directly (`kvlab.kernels.quant`); larger ones dequantize each part to float32 and use
-BLAS; anywhere the C kernels are not (CUDA, no compiler) the reference dequantization in
-`kvlab.quant.formats` serves every call.
+as they use `kvlab.model.layers.Linear`. On a CPU every pass goes to the C kernels, which read the
+blocks directly (`kvlab.kernels.quant`: one block decoded once for up to 32 rows, faster than
+dequantizing for BLAS even for prompt chunks; `ThreadPolicy.packed_prompts=False` sends prompt-sized
+passes to BLAS instead); anywhere the C kernels are not (CUDA, no compiler) the reference
+dequantization in `kvlab.quant.formats` serves every call. With `--activation-quant int8` the parts
+are held interleaved (format "<fmt>x16", kvlab/quant/activations.py) and every pass takes the kernels.
 """
 
 from __future__ import annotations
@@ -43,6 +45,27 @@ def _kernels():
     from kvlab.kernels import quant
 
     return quant
+
+
+def packed_product(x: torch.Tensor, parts: list[PackedTensor]) -> torch.Tensor:
+    """x [rows, in] times the parts stacked by rows → float32 [rows, Σ part rows]: quant.c's kernels when
+    they take the call (decode-sized rows, their formats), else part by part (`part_product`)."""
+    kernels = _kernels()
+    if kernels.applies(x, [p.fmt for p in parts]):
+        return kernels.packed_linear(x, parts, sum(p.shape[0] for p in parts))
+    return torch.cat([part_product(x, p) for p in parts], dim=-1)
+
+
+def part_product(x: torch.Tensor, part: PackedTensor) -> torch.Tensor:
+    """x [rows, in] · Wᵀ for one stored matrix, float32: MXFP4 by its own kernel (kernels/mxfp4.c) when
+    decode-sized; otherwise the matrix dequantized to float32 (C, or the reference), then one BLAS product."""
+    if part.fmt == "MXFP4":
+        from kvlab.kernels import mxfp4
+
+        if mxfp4.applies(x):
+            return mxfp4.matmul(x, part)
+        return F.linear(x.float(), mxfp4.dequantize(part))
+    return F.linear(x.float(), _kernels().dequantize(part))
 
 
 class PackedLinear(nn.Module):
@@ -85,8 +108,8 @@ class PackedLinear(nn.Module):
         return y.to(x.dtype).view(*lead, self.out_features)
 
     def _dense_product(self, x: torch.Tensor, part: PackedTensor) -> torch.Tensor:
-        """A prompt-sized pass (or no C kernel): the part dequantized to float32, then one BLAS product."""
-        return F.linear(x.float(), _kernels().dequantize(part))
+        """A prompt-sized pass (or no C kernel for the whole call): one part's product (`part_product`)."""
+        return part_product(x, part)
 
     def forward_parts(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return self(x).split(self.parts, dim=-1)

@@ -1,7 +1,8 @@
 """Weight-only quantization of a float model, as a transform of its layers (never a copy of the model).
 
     quantize_model(model, "q8_0")   every decoder Linear, the LM head and the embedding table become
-                                    their packed forms, in blocks made by kvlab.quant.quantize
+                                    their packed forms, in blocks made by kvlab.quant.quantize; an MoE
+                                    layer's stacked experts keep their stacks, in blocks
 
 Norms and biases stay float. A tied model keeps one table: the packed embedding also serves as the
 LM head. What was float is freed as each layer is replaced.
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from kvlab.model.experts import Experts
 from kvlab.model.layers import Embedding, Linear
 from kvlab.quant.linear import PackedEmbedding, PackedLinear, PackedTensor
 from kvlab.quant.quantize import QUANTIZATIONS, quantize
@@ -34,6 +36,23 @@ def quantize_model(model: nn.Module, fmt: str) -> nn.Module:
                 setattr(parent, name, PackedLinear(parts, bias=child.bias))
             elif isinstance(child, Embedding):
                 setattr(parent, name, PackedEmbedding(_packed(child.weight, fmt), child.weight.dtype))
+            elif isinstance(child, Experts):
+                _quantize_experts(child, fmt)
     if tied:
         model.lm_head = model.embed_tokens.as_linear()
     return model
+
+
+def _quantize_experts(experts: Experts, fmt: str) -> None:
+    """Each stacked matrix [E, rows, in] as blocks [E, rows, row bytes] (gate_up in two parts: gate, up)."""
+    for name in ("gate_up", "down"):
+        if name in experts.formats:
+            continue
+        stacked = getattr(experts, name)  # [E, rows, in]
+        E, rows, cols = stacked.shape
+        parts = stacked.split(rows // 2, dim=1) if name == "gate_up" else (stacked,)
+        packed = []
+        for part in parts:
+            blocks = quantize(part.reshape(-1, cols), fmt)
+            packed.append(PackedTensor(fmt.upper(), (E, part.shape[1], cols), blocks.view(E, part.shape[1], -1)))
+        experts.set_packed(name, packed)

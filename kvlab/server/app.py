@@ -52,6 +52,13 @@ from kvlab.server.streaming import EventStream
 from kvlab.server.tools import markers_are_tokens
 from kvlab.server.ps import ps_payload
 from kvlab.server.web import add_web_routes
+from kvlab.server.errors import error_body
+from kvlab.server.metrics import RouteCounts
+from kvlab.server.adapter import Served
+from kvlab.server.anthropic_api import add_anthropic_routes
+from kvlab.server.ollama_api import add_ollama_routes
+from kvlab.server.responses_api import add_responses_routes
+from kvlab.server.reasoning import PROMPT_TAIL_TOKENS, opens_thinking, template_kwargs
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +87,7 @@ class ServerConfig:
     keep_alive_timeout_s: float = DEFAULT_KEEP_ALIVE_TIMEOUT_S  # an idle kept-alive connection closes after it
     max_messages: int = 1024
     max_prompt_chars: int | None = None  # None: max_model_len × the vocabulary's longest token (cannot fit more)
+    reasoning_parser: str | None = None  # --reasoning-parser: <think> text split out of the answer (reasoning.py)
     tokenizer_threads: int = 2
 
     def __post_init__(self) -> None:
@@ -105,32 +113,36 @@ def create_app(llm, engine: AsyncEngine, config: ServerConfig) -> FastAPI:
         workers.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="kvlab", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-    cors_headers = ("authorization", "content-type", config.tenant_header.lower())
+    cors_headers = ("authorization", "content-type", "x-api-key", config.tenant_header.lower())  # x-api-key: Anthropic's
     guard = GuardConfig(config.host, config.allowed_hosts, config.allowed_origins, cors_headers)
     app.add_middleware(Guard, config=guard)
+    routes = RouteCounts()  # requests by route and status, for /metrics
+    app.add_middleware(RouteCounts.Middleware, counts=routes)
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, e: APIError):
         log_request(request, e.status)
-        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+        return JSONResponse(error_body(request.url.path, e), status_code=e.status, headers=e.headers)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, e: StarletteHTTPException):
         code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code)
-        return JSONResponse(APIError(e.status_code, str(e.detail), code=code).body(), status_code=e.status_code)
+        return JSONResponse(error_body(request.url.path, APIError(e.status_code, str(e.detail), code=code)),
+                            status_code=e.status_code)  # fmt: skip
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, e: Exception):  # a bug: still OpenAI's shape (logged with its traceback)
         error = APIError(500, "internal server error", type="server_error", code="internal_error")
-        return JSONResponse(error.body(), status_code=500)
+        return JSONResponse(error_body(request.url.path, error), status_code=500)
 
     async def authorized(request: Request) -> str | None:
         """The API key the request presented (None when the server has none)."""
         if not config.api_keys:
             return None
         given = request.headers.get("authorization", "").encode()
+        given_x = request.headers.get("x-api-key", "").encode()  # Anthropic's clients send the key so
         for key in config.api_keys:
-            if hmac.compare_digest(given, f"Bearer {key}".encode()):
+            if hmac.compare_digest(given, f"Bearer {key}".encode()) or hmac.compare_digest(given_x, key.encode()):
                 return key
         raise APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'", code="invalid_api_key")
 
@@ -148,7 +160,7 @@ def create_app(llm, engine: AsyncEngine, config: ServerConfig) -> FastAPI:
 
     @app.get("/metrics", dependencies=[Depends(metrics_authorized)])
     async def metrics():
-        return PlainTextResponse(render(llm.engine, config.model_name), media_type=CONTENT_TYPE)
+        return PlainTextResponse(render(llm.engine, config.model_name, routes), media_type=CONTENT_TYPE)
 
     started = time.time()
 
@@ -168,6 +180,12 @@ def create_app(llm, engine: AsyncEngine, config: ServerConfig) -> FastAPI:
         return responses.model_card(config.model_name, llm.engine.max_model_len)
 
     add_web_routes(app, llm, config, authorized)  # the page at / and its JSON endpoints (web.py)
+    served = Served(llm, engine, config, admission, workers, lambda *args: _checked(*args),
+                    lambda key, request, parsed: _cache_salt(config, key, request.headers.get(config.tenant_header),
+                                                             parsed))  # fmt: skip
+    add_ollama_routes(app, served, authorized, started)  # Ollama's /api/chat, /api/generate, ... (ollama_api.py)
+    add_anthropic_routes(app, served, authorized)  # Anthropic's /v1/messages (anthropic_api.py)
+    add_responses_routes(app, served, authorized)  # OpenAI's /v1/responses (responses_api.py)
 
     @app.post("/v1/completions")
     async def completions(request: Request, key: str | None = Depends(authorized)):
@@ -217,9 +235,12 @@ def create_app(llm, engine: AsyncEngine, config: ServerConfig) -> FastAPI:
         refuse_early(llm.tokenizer, text, limits, "prompt")
         return llm.encode(text)
 
-    def _encode_chat(messages: list[dict], tools: list[dict] | None) -> list[int]:
+    def _encode_chat(messages: list[dict], tools: list[dict] | None, template: dict | None = None) -> list[int]:
         extra = {"tools": tools} if tools else {}
-        refuse_early(llm.tokenizer, llm.tokenizer.apply_chat_template(messages, **extra), limits, "messages")
+        refuse_early(llm.tokenizer, llm.tokenizer.apply_chat_template(messages, **extra, **(template or {})), limits,
+                     "messages")  # fmt: skip
+        if template:  # enable_thinking, for the template
+            return llm.tokenizer.encode_chat(messages, add_generation_prompt=True, **extra, **template)
         return llm.encode_chat(messages, tools=tools)
 
     def _prepare(kind: str, raw: bytes) -> ParsedRequest:
@@ -227,13 +248,20 @@ def create_app(llm, engine: AsyncEngine, config: ServerConfig) -> FastAPI:
         structured-output checks."""
         body = parse_json(raw)
         _check_model(body, config.model_name)
+        extra = template_kwargs(body) if kind == "chat" else {}  # chat_template_kwargs: enable_thinking
+        return _checked(kind, {k: v for k, v in body.items() if k != "chat_template_kwargs"}, extra)
+
+    def _checked(kind: str, body: dict, extra: dict | None = None) -> ParsedRequest:
+        """A body's every field, the chat template (with `extra`), tokenization, the context and structured-output
+        checks (the adapters of the other wire formats come here with the chat body they translated)."""
         param = "messages" if kind == "chat" else "prompt"
         try:
             if kind == "completion":
                 parsed = parse_completion(body, _encode, limits)
             else:
                 template = llm.tokenizer.chat_template if llm.tokenizer is not None else None
-                parsed = parse_chat(body, _encode_chat, limits, template, config.model_name, marker_tokens)
+                encode = (lambda m, t: _encode_chat(m, t, extra)) if extra else _encode_chat
+                parsed = parse_chat(body, encode, limits, template, config.model_name, marker_tokens)
         except KvlabError as e:  # tokenizer or template problems with the user's input
             raise APIError(400, str(e), param=param) from None
         for prompt in parsed.prompts:
@@ -252,6 +280,9 @@ def create_app(llm, engine: AsyncEngine, config: ServerConfig) -> FastAPI:
                 llm.engine.check_params(SamplingParams(structured_outputs=StructuredOutputs(json=schema)))
             except KvlabError as e:
                 raise APIError(400, f"tools[{i}].function.parameters: {e}", param="tools") from None
+        if kind == "chat" and config.reasoning_parser is not None:  # where the answer starts: in the thinking?
+            parsed.reasoning = True
+            parsed.thinks = opens_thinking(llm.tokenizer.decode(parsed.prompt_token_ids[-PROMPT_TAIL_TOKENS:]))
         return parsed
 
     return app

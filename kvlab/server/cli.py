@@ -22,8 +22,9 @@ from kvlab.errors import KvlabError
 def register(subparsers) -> None:
     p = subparsers.add_parser(
         "serve", help="OpenAI-compatible server: continuous batching, paged KV, prefix cache",
-        description="Serve MODEL over HTTP with OpenAI's API (/v1/completions, /v1/chat/completions, /v1/models), "
-                    "ollama's /api/ps and Prometheus /metrics, and a chat page at /. The port is bound first; then "
+        description="Serve MODEL over HTTP with OpenAI's API (/v1/completions, /v1/chat/completions, /v1/responses, "
+                    "/v1/models), Ollama's (/api/chat, /api/generate, /api/tags, /api/show, /api/ps), Anthropic's "
+                    "(/v1/messages) and Prometheus /metrics, and a chat page at /. The port is bound first; then "
                     "it prints its memory plan (weights, the KV pool in blocks and tokens), loads the model, and "
                     "serves until Ctrl-C or SIGTERM. A registry model that is not pulled yet is pulled first.",
     )  # fmt: skip
@@ -68,6 +69,11 @@ def register(subparsers) -> None:
     g.add_argument("--max-messages", type=int, default=1024, help="messages in one chat request (default 1024)")
     g.add_argument("--max-prompt-chars", type=int, default=None,
                    help="characters in one prompt (default: the context × the longest token, more cannot fit)")  # fmt: skip
+    g = p.add_argument_group("answers")
+    g.add_argument("--reasoning-parser", choices=["deepseek_r1", "qwen3"], default=None,
+                   help="split a reasoning model's <think>…</think> text from its answer: reasoning_content (chat "
+                        "completions), reasoning items (Responses), thinking (Ollama, Anthropic). Default: none, "
+                        "the thinking stays in the text")  # fmt: skip
     from kvlab.engine_cli import add_model_args, add_parallel_args
 
     add_model_args(p)
@@ -114,6 +120,7 @@ def cmd_serve(args) -> int:
         keep_alive_timeout_s=args.keep_alive_timeout,
         max_messages=args.max_messages,
         max_prompt_chars=args.max_prompt_chars,
+        reasoning_parser=args.reasoning_parser,
     )
     sock = listen(args.host, args.port) if leader else None  # before loading: a port in use fails in a second
     try:
@@ -201,7 +208,8 @@ def run_server(llm, config, sock: socket.socket, log_level: str = "warning", dri
     server = graceful_server(uv_config, engine)
     engine.on_death = lambda error: setattr(server, "should_exit", True)  # exit: a supervisor restarts us
     shown = f"[{host}]" if ":" in host else host
-    print(f"serving '{config.model_name}' on http://{shown}:{port}  (OpenAI API under /v1; /metrics, /health; "
+    print(f"serving '{config.model_name}' on http://{shown}:{port}  (OpenAI API under /v1, Ollama's under /api, "
+          f"Anthropic's /v1/messages; /metrics, /health; "
           f"{auth}). Ctrl-C stops.", file=sys.stderr, flush=True)  # fmt: skip
     server.run(sockets=[sock])
     if driver is not None and engine.error is None and engine.stopped.wait(llm.group.timeout_s):
@@ -300,6 +308,8 @@ def print_plan(args, options: dict, file=None):
 
     file = file or sys.stderr
     config, path = read_config(str(args.model))
+    if getattr(args, "rope_scaling", None) is not None:  # the context the engine will allow, as LLM applies it
+        config = config.with_rope_scaling(args.rope_scaling)
     ranks = getattr(args, "tensor_parallel_size", 1)
     if ranks > 1:
         from kvlab.parallel import shard_config
@@ -340,7 +350,8 @@ def quality_advice(args, path, formats) -> str | None:
     """`kvlab quality`'s verdict on a lossy setting for this model, as one line (None when nothing to say)."""
     from kvlab.quality.store import advice
 
-    return advice(str(args.model), path, formats, getattr(args, "dequantize", False), getattr(args, "quantization", None))
+    return advice(str(args.model), path, formats, getattr(args, "dequantize", False), getattr(args, "quantization", None),
+                  getattr(args, "activation_quant", None))  # fmt: skip
 
 
 def print_measured(llm, plan, planned_weights: int | None, file=None) -> None:

@@ -73,18 +73,18 @@ class Guard:
             return await self.app(scope, receive, send)
         headers = _headers(scope)
         if not self.config.host_allowed(headers.get("host")):
-            return await _refuse(send, 400, "invalid_host",
+            return await _refuse(send, 400, "invalid_host", scope["path"],
                                  f"Host {headers.get('host')!r} does not name this server: add it to --allowed-hosts")  # fmt: skip
         origin = headers.get("origin")
         if origin is not None and self.config.same_origin(origin, scope.get("scheme", "http"), headers.get("host")):
             origin = None  # the page this server served at / (browsers send Origin on its POSTs): no CORS involved
         if origin is not None and not self.config.origin_allowed(origin):
-            return await _refuse(send, 403, "origin_not_allowed",
+            return await _refuse(send, 403, "origin_not_allowed", scope["path"],
                                  f"requests from the web origin {origin!r} are not allowed: see --allowed-origins")  # fmt: skip
         if origin is not None and scope["method"] == "OPTIONS" and "access-control-request-method" in headers:
             return await self._preflight(send, origin)
         if scope["method"] == "POST" and not _is_json(headers.get("content-type")):
-            return await _refuse(send, 415, "unsupported_media_type",
+            return await _refuse(send, 415, "unsupported_media_type", scope["path"],
                                  "POST bodies must be sent with 'Content-Type: application/json'")  # fmt: skip
         if origin is None:
             return await self.app(scope, receive, send)
@@ -141,8 +141,10 @@ def _cors(origin: str) -> list[tuple[bytes, bytes]]:
     return [(b"access-control-allow-origin", origin.encode("latin-1")), (b"vary", b"Origin")]
 
 
-async def _refuse(send, status: int, code: str, message: str) -> None:
-    body = {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": code}}
+async def _refuse(send, status: int, code: str, path: str, message: str) -> None:
+    from kvlab.server.errors import APIError, error_body  # in the shape of the API the path belongs to
+
+    body = error_body(path, APIError(status, message, code=code))
     payload = json.dumps(body).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]
     await send({"type": "http.response.start", "status": status, "headers": headers})

@@ -36,7 +36,7 @@ class _Writer:
             self.lines.append(f"{name}_count{self._labels(labels)} {h.count}")
 
 
-def render(engine: LLMEngine, model: str) -> str:
+def render(engine: LLMEngine, model: str, routes: RouteCounts | None = None) -> str:
     w = _Writer(model)
     stats, pool, prefix = engine.stats, engine.kv.pool, engine.kv.stats
     counts = pool.counts()
@@ -52,6 +52,8 @@ def render(engine: LLMEngine, model: str) -> str:
     w.metric("kvlab_prefix_cache_hit_rate", "gauge", "Prefix-cache hits / queries, in tokens.", [("", prefix.hit_rate)])
     w.metric("kvlab_prefix_cache_evictions_total", "counter", "Cached blocks reused for new tokens.", [("", pool.num_evictions)])
     w.metric("kvlab_preemptions_total", "counter", "Requests preempted (to be recomputed).", [("", engine.scheduler.num_preemptions)])
+    if engine.prompt_cache is not None:  # the prefix cache's disk tier (--prompt-cache-dir, kv/prompt_cache.py)
+        _prompt_cache(w, engine.prompt_cache)
     if engine.spec is not None:  # vLLM's speculative-decoding counters (vllm/v1/spec_decode/metrics.py)
         s = engine.spec.stats
         w.metric("kvlab_spec_decode_num_drafts_total", "counter", "Speculative rounds: steps in which a request's drafts were verified.",
@@ -78,7 +80,28 @@ def render(engine: LLMEngine, model: str) -> str:
         w.histogram("kvlab_time_per_output_token_seconds", "Decode time per token after the first.", [("", stats.tpot)])
         w.histogram("kvlab_request_queue_seconds", "Arrival to first scheduled.", [("", stats.queue)])
         w.histogram("kvlab_e2e_request_latency_seconds", "Arrival to last token.", [("", stats.e2e)])
+    if routes is not None:  # every API's routes: OpenAI's, Ollama's, Anthropic's, the Responses API
+        w.metric("kvlab_http_requests_total", "counter", "HTTP requests answered, by route and status.",
+                 [(f'route="{_escape(r)}",status="{s}"', n) for (r, s), n in sorted(routes.snapshot().items())]
+                 or [('route="/health",status="200"', 0)])  # fmt: skip
     return "\n".join(w.lines) + "\n"
+
+
+def _prompt_cache(w: _Writer, tier) -> None:
+    d, store = tier.stats, tier.store
+    w.metric("kvlab_prompt_cache_disk_hits_total", "counter", "KV blocks read back from the prompt cache's directory.", [("", d.hits)])
+    w.metric("kvlab_prompt_cache_disk_misses_total", "counter", "Block lookups past the memory hit that found no file there.", [("", d.misses)])
+    w.metric("kvlab_prompt_cache_disk_bad_files_total", "counter", "Block files refused (torn, corrupt, foreign) and removed.", [("", d.bad_files)])
+    w.metric("kvlab_prompt_cache_disk_read_bytes_total", "counter", "Bytes of block files read.", [("", d.bytes_read)])
+    w.metric("kvlab_prompt_cache_disk_written_bytes_total", "counter", "Bytes of block files written.", [("", d.bytes_written)])
+    w.metric("kvlab_prompt_cache_disk_evictions_total", "counter", "Block files removed to keep the size bound (LRU).", [("", d.evictions)])
+    w.metric("kvlab_prompt_cache_disk_dropped_writes_total", "counter", "Blocks not written: the writer was behind, or writes are off.",
+             [("", d.dropped_writes)])  # fmt: skip
+    w.metric("kvlab_prompt_cache_disk_tokens_total", "counter", "Prompt tokens of finished requests served from disk.", [("", d.tokens_served)])
+    w.metric("kvlab_prompt_cache_disk_bytes", "gauge", "Bytes of block files in the directory.", [("", store.total_bytes)])
+    w.metric("kvlab_prompt_cache_disk_max_bytes", "gauge", "The directory's size bound (--prompt-cache-size).", [("", store.max_bytes)])
+    w.metric("kvlab_prompt_cache_disk_writable", "gauge", "1 while blocks are written (0: the disk was full or read-only).",
+             [("", int(store.writable))])  # fmt: skip
 
 
 def _num(value: float) -> str:
@@ -87,3 +110,38 @@ def _num(value: float) -> str:
 
 def _escape(text: str) -> str:
     return text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+class RouteCounts:
+    """Requests answered, by route (the route's path template: /v1/responses/{response_id}) and status. Counted
+    by an ASGI middleware once the response starts; paths that match no route count as "unmatched"."""
+
+    def __init__(self):
+        import threading
+
+        self._lock = threading.Lock()
+        self._counts: dict[tuple[str, int], int] = {}
+
+    def add(self, route: str, status: int) -> None:
+        with self._lock:
+            self._counts[(route, status)] = self._counts.get((route, status), 0) + 1
+
+    def snapshot(self) -> dict[tuple[str, int], int]:
+        with self._lock:
+            return dict(self._counts)
+
+    class Middleware:
+        def __init__(self, app, counts: RouteCounts):
+            self.app, self.counts = app, counts
+
+        async def __call__(self, scope, receive, send):
+            if scope["type"] != "http":
+                return await self.app(scope, receive, send)
+
+            async def counted(message):
+                if message["type"] == "http.response.start":
+                    route = scope.get("route")  # set by the router on this scope once it matched
+                    self.counts.add(getattr(route, "path", None) or "unmatched", message["status"])
+                await send(message)
+
+            return await self.app(scope, receive, counted)

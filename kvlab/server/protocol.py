@@ -57,6 +57,8 @@ class ParsedRequest:
     tools: ToolSpec | None = None  # chat: the answer's tool calls are parsed (tools.py)
     tool_schemas: list[dict] = field(default_factory=list)  # every tool's parameters, compiled under any tool_choice
     constraint_param: str | None = None  # the field a structured output came from (its compile error names it)
+    reasoning: bool = False  # chat under --reasoning-parser: <think> text is split out of the answer (reasoning.py)
+    thinks: bool = False  # the rendered prompt left <think> open: the answer starts inside the thinking
 
     @property
     def prompt_token_ids(self) -> list[int]:

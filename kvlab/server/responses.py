@@ -16,6 +16,7 @@ from typing import Any
 from kvlab.output.result import CompletionOutput, RequestOutput
 from kvlab.server.logprobs import CompletionLogprobs, TokenText, chat_logprobs, merge
 from kvlab.server.protocol import ParsedRequest
+from kvlab.server.reasoning import split as split_thinking
 from kvlab.server.tools import parse_tool_calls
 
 _OPENAI_FINISH = {"stop": "stop", "length": "length", "abort": "length"}
@@ -69,7 +70,10 @@ def response(req: ParsedRequest, model: str, outputs: list[RequestOutput], text:
     else:
         choices = [chat_choice(req, i, c, text) for i, _, c in choices_of(req, outputs)]
         obj = "chat.completion"
-    return {**_head(req, model, obj), "choices": choices, "usage": usage(outputs), "kvlab": kvlab_field(outputs, req)}
+    field = kvlab_field(outputs, req)
+    if req.reasoning and any(split_thinking(c.text, req.thinks)[2] for _, _, c in choices_of(req, outputs)):
+        field["thinking_unfinished"] = True  # max_tokens ended an answer inside its thinking
+    return {**_head(req, model, obj), "choices": choices, "usage": usage(outputs), "kvlab": field}
 
 
 def completion_choice(req: ParsedRequest, index: int, out: RequestOutput, c: CompletionOutput, text: TokenText) -> dict:
@@ -92,10 +96,15 @@ def echo_text(out: RequestOutput, text: TokenText) -> str:
 def chat_choice(req: ParsedRequest, index: int, c: CompletionOutput, text: TokenText) -> dict:
     message: dict[str, Any] = {"role": "assistant", "content": c.text}
     reason = finish_reason(c.finish_reason)
+    answer = c.text
+    if req.reasoning:  # --reasoning-parser: the thinking apart, as vLLM's reasoning_content
+        thinking, answer, _ = split_thinking(c.text, req.thinks)
+        message = {"role": "assistant", "content": answer if answer or thinking is None else None,
+                   "reasoning_content": thinking}  # fmt: skip
     if req.tools is not None:
-        content, calls = parse_tool_calls(c.text, {f["name"] for f in req.tools.functions})
+        content, calls = parse_tool_calls(answer, {f["name"] for f in req.tools.functions})
         if calls:
-            message = {"role": "assistant", "content": content, "tool_calls": calls}
+            message = {**message, "content": content, "tool_calls": calls}
             reason = "tool_calls" if c.finish_reason == "stop" else reason
     return {"index": index, "message": message, "logprobs": chat_logprobs(c.logprobs, text), "finish_reason": reason}
 

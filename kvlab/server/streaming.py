@@ -16,6 +16,7 @@ from kvlab.output.result import RequestOutput
 from kvlab.server import responses
 from kvlab.server.logprobs import CompletionLogprobs, TokenText, chat_content
 from kvlab.server.protocol import ParsedRequest
+from kvlab.server.reasoning import ThinkSplitter
 from kvlab.server.tools import ToolStream
 
 
@@ -25,6 +26,7 @@ class _Choice:
     tools: ToolStream | None = None
     logprobs: CompletionLogprobs | None = None
     done: bool = False
+    think: ThinkSplitter | None = None  # --reasoning-parser: thinking streams as reasoning_content
 
 
 @dataclass
@@ -40,6 +42,8 @@ class EventStream:
             names = {f["name"] for f in self.req.tools.functions} if self.req.tools is not None else set()
             self.choices[i] = _Choice(tools=ToolStream(names) if self.req.tools is not None else None,
                                       logprobs=CompletionLogprobs(self.text))  # fmt: skip
+            if self.req.reasoning:
+                self.choices[i].think = ThinkSplitter(inside=self.req.thinks)
 
     def start(self) -> list[dict]:
         if self.req.kind != "chat":
@@ -84,13 +88,19 @@ class EventStream:
         return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": None}
 
     def _chat(self, index: int, state: _Choice, out: StepOutput) -> dict | None:
-        content, calls = out.new_text, []
+        content, calls, thinking = out.new_text, [], ""
+        if state.think is not None:
+            thinking, content = state.think.push(content)
+            if out.choice_finished:
+                more_thinking, more = state.think.flush()
+                thinking, content = thinking + more_thinking, content + more
         if state.tools is not None:
             content, calls = state.tools.push(content)
             if out.choice_finished:
                 rest, last = state.tools.flush()
                 content, calls = content + rest, calls + last
-        delta = ({"content": content} if content else {}) | ({"tool_calls": calls} if calls else {})
+        delta = ({"reasoning_content": thinking} if thinking else {}) | ({"content": content} if content else {}) | \
+            ({"tool_calls": calls} if calls else {})  # fmt: skip
         logprobs = None
         if self.req.params.logprobs is not None and out.new_logprobs:
             logprobs = {"content": chat_content(out.new_logprobs, self.text), "refusal": None}
@@ -108,6 +118,8 @@ class EventStream:
         last = responses.chunk(self.req, self.model, [body])
         if all(c.done for c in self.choices.values()):
             last["kvlab"] = responses.kvlab_field(self.outputs, self.req)
+            if any(c.think is not None and c.think.unfinished for c in self.choices.values()):
+                last["kvlab"]["thinking_unfinished"] = True  # max_tokens ended an answer inside its thinking
             tail = [responses.usage_chunk(self.req, self.model, self.outputs)] if self.req.include_usage else []
             return [last, *tail]
         return [last]

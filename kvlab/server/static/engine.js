@@ -3,7 +3,7 @@
 // prefix-cache hit rate, and tokens per second over the last minute from the counters' differences.
 
 import { getText, metric, parseMetrics } from "./api.js";
-import { count, percent, rate, svg } from "./format.js";
+import { bytes, count, percent, rate, svg } from "./format.js";
 
 const POLL_MS = 1000;
 const WINDOW_S = 60;
@@ -51,6 +51,7 @@ export class EnginePanel {
     text("hit-rate", queries > 0
       ? `${percent(value("kvlab_prefix_cache_hit_rate"))} (${count(value("kvlab_prefix_cache_hits_total"))} of ${count(queries)} tokens)`
       : "no prompt yet");
+    this.showDiskTier(value);
     const gauge = document.getElementById("pool-gauge");
     const free = total - used - cached;
     const share = (blocks) => (blocks > 0 ? Math.max(0.6, (100 * blocks) / total) : 0); // a held block stays visible
@@ -62,6 +63,18 @@ export class EnginePanel {
     text("pool-text", `${count(used)} used, ${count(cached)} cached, ${count(free)} free of ${count(total)} blocks` +
       (used === 0 && running === 0 ? " (idle)" : ""));
     this.record(now, value("kvlab_generation_tokens_total"), value("kvlab_engine_step_tokens_total"));
+  }
+
+  // the prefix cache's second tier (--prompt-cache-dir): shown only when the server has one
+  showDiskTier(value) {
+    const held = value("kvlab_prompt_cache_disk_bytes");
+    document.getElementById("disk-tier-row").hidden = !Number.isFinite(held);
+    if (!Number.isFinite(held)) return;
+    const writable = value("kvlab_prompt_cache_disk_writable") === 1 ? "" : ", not writing (disk full or read-only)";
+    text("disk-tier", `${bytes(held)} of ${bytes(value("kvlab_prompt_cache_disk_max_bytes"))}; ` +
+      `${count(value("kvlab_prompt_cache_disk_hits_total"))} blocks read, ` +
+      `${count(value("kvlab_prompt_cache_disk_tokens_total"))} prompt tokens from disk, ` +
+      `${count(value("kvlab_prompt_cache_disk_evictions_total"))} evicted${writable}`);
   }
 
   record(now, generated, through) {

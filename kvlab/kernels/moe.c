@@ -1,0 +1,130 @@
+// The mixture-of-experts MLP of a decode step (step.h's Moe; kvlab/model/moe.py is the same computation
+// in PyTorch, and the oracle).
+//
+// B rows (one new token per sequence) → router logits [B, E] → each row's top_k experts and weights
+// (softmax over E then top-k, renormalised or not: Qwen, OLMoE; or top-k of the logits then softmax over
+// them: gpt-oss). The rows are then grouped by expert: expert e's rows are gathered into one [n, hidden]
+// matrix and multiplied by its gate/up and down matrices once — a chosen expert's blocks cross the memory
+// bus once per step, whatever the number of rows that chose it, and an expert nobody chose is never read.
+// Outputs are added into `out` expert by expert in ascending order, as the modules' index_add does; the
+// shared expert (Qwen2-MoE), scaled by sigmoid(its gate), is added last.
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "step.h"
+
+// Floats of scratch kvlab_moe needs beyond `out` (the caller's [B, hidden] output goes first):
+// logits [B, E], chosen weights [B, k] and ids [B, k] (as int32), the grouped order [B·k] (int32),
+// gathered rows [B, hidden], gate/up [B, 2·max(I, I_shared)], activations [B, max(I, I_shared)],
+// expert outputs [B, hidden], the shared gate [B].
+int64_t kvlab_moe_scratch_floats(const Moe* m, int64_t batch, int64_t hidden) {
+    const int64_t width = m->expert_size > m->shared_size ? m->expert_size : m->shared_size;
+    return batch * (hidden + m->num_experts + 3 * m->top_k + 2 * hidden + 3 * width + 1);
+}
+
+// Row b's experts and weights from its logits, as kvlab/model/moe.py's `route` chooses them
+static void route(const Moe* m, const float* logits, float* weights, int32_t* ids) {
+    const int64_t E = m->num_experts, k = m->top_k;
+    float probs[E];
+    if (m->routing == ROUTE_SOFTMAX_TOPK) {  // softmax over every expert first
+        float top = -INFINITY, sum = 0.0f;
+        for (int64_t e = 0; e < E; e++) top = logits[e] > top ? logits[e] : top;
+        for (int64_t e = 0; e < E; e++) sum += probs[e] = expf(logits[e] - top);
+        for (int64_t e = 0; e < E; e++) probs[e] /= sum;
+    } else {
+        memcpy(probs, logits, E * sizeof(float));
+    }
+    for (int64_t j = 0; j < k; j++) {  // the k largest, in decreasing order (the lower id first on a tie)
+        int64_t best = -1;
+        for (int64_t e = 0; e < E; e++) {
+            int taken = 0;
+            for (int64_t i = 0; i < j; i++) taken |= ids[i] == e;
+            if (!taken && (best < 0 || probs[e] > probs[best])) best = e;
+        }
+        ids[j] = (int32_t)best;
+        weights[j] = probs[best];
+    }
+    if (m->routing == ROUTE_TOPK_SOFTMAX) {  // softmax over the chosen logits
+        const float top = weights[0];  // the largest
+        float sum = 0.0f;
+        for (int64_t j = 0; j < k; j++) sum += weights[j] = expf(weights[j] - top);
+        for (int64_t j = 0; j < k; j++) weights[j] /= sum;
+    } else if (m->norm_topk_prob) {
+        float sum = 0.0f;
+        for (int64_t j = 0; j < k; j++) sum += weights[j];
+        for (int64_t j = 0; j < k; j++) weights[j] /= sum;
+    }
+}
+
+// Expert e's matrix: expert 0's parts moved by e · stride, its bias row e
+static Linear expert_linear(const Linear* first, const int64_t* stride, const float* bias, int64_t e) {
+    Linear l = *first;
+    for (int p = 0; p < l.num_parts; p++) l.parts[p].w = (const uint8_t*)l.parts[p].w + e * stride[p];
+    l.bias = bias ? bias + e * l.out : NULL;
+    return l;
+}
+
+// act [n, I] from gate/up [n, 2I] (gate first): SiLU(gate)·up, or gpt-oss's clamped SwiGLU
+static void activate(const Moe* m, const float* gate_up, float* act, int64_t n, int64_t I, int32_t kind) {
+    for (int64_t r = 0; r < n; r++) {
+        const float *g = gate_up + r * 2 * I, *u = g + I;
+        float* a = act + r * I;
+        if (kind == EXPERT_CLAMPED_SWIGLU) {
+            const float limit = m->swiglu_limit, alpha = m->swiglu_alpha;
+            for (int64_t i = 0; i < I; i++) {
+                const float gi = g[i] > limit ? limit : g[i];
+                const float ui = u[i] > limit ? limit : (u[i] < -limit ? -limit : u[i]);
+                a[i] = (ui + 1.0f) * (gi / (1.0f + expf(-gi * alpha)));
+            }
+        } else {
+            for (int64_t i = 0; i < I; i++) a[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+        }
+    }
+}
+
+void kvlab_moe(const Moe* m, const float* x, float* out, int64_t B, int64_t hidden, float* scratch, int threads) {
+    const int64_t E = m->num_experts, k = m->top_k, I = m->expert_size;
+    const int64_t width = I > m->shared_size ? I : m->shared_size;
+    float* logits = scratch;
+    float* weights = logits + B * E;
+    int32_t* ids = (int32_t*)(weights + B * k);
+    int32_t* order = ids + B * k;
+    float* rows = (float*)(order + B * k);
+    float* gate_up = rows + B * hidden;
+    float* act = gate_up + B * 2 * width;
+    float* y = act + B * width;
+    float* gate = y + B * hidden;
+
+    kvlab_decode_linear(&m->router, x, logits, B, E, threads);
+    for (int64_t b = 0; b < B; b++) route(m, logits + b * E, weights + b * k, ids + b * k);
+    memset(out, 0, B * hidden * sizeof(float));
+    for (int64_t e = 0; e < E; e++) {
+        int64_t n = 0;  // the (row, slot) pairs that chose e, in row order
+        for (int64_t i = 0; i < B * k; i++)
+            if (ids[i] == e) order[n++] = (int32_t)i;
+        if (!n) continue;  // never read
+        for (int64_t j = 0; j < n; j++) memcpy(rows + j * hidden, x + (order[j] / k) * hidden, hidden * sizeof(float));
+        const Linear gu = expert_linear(&m->gate_up, m->gate_up_stride, m->gate_up_bias, e);
+        const Linear dn = expert_linear(&m->down, m->down_stride, m->down_bias, e);
+        kvlab_decode_linear(&gu, rows, gate_up, n, 2 * I, threads);
+        activate(m, gate_up, act, n, I, m->activation);
+        kvlab_decode_linear(&dn, act, y, n, hidden, threads);
+        for (int64_t j = 0; j < n; j++) {
+            float* o = out + (order[j] / k) * hidden;
+            const float w = weights[order[j]];
+            for (int64_t c = 0; c < hidden; c++) o[c] += y[j * hidden + c] * w;
+        }
+    }
+    if (!m->shared_size) return;
+    const int64_t Is = m->shared_size;
+    kvlab_decode_linear(&m->shared_gate_up, x, gate_up, B, 2 * Is, threads);
+    activate(m, gate_up, act, B, Is, EXPERT_SILU);
+    kvlab_decode_linear(&m->shared_down, act, y, B, hidden, threads);
+    if (m->shared_gate.num_parts) kvlab_decode_linear(&m->shared_gate, x, gate, B, 1, threads);
+    for (int64_t b = 0; b < B; b++) {
+        const float g = m->shared_gate.num_parts ? 1.0f / (1.0f + expf(-gate[b])) : 1.0f;
+        for (int64_t c = 0; c < hidden; c++) out[b * hidden + c] += g * y[b * hidden + c];
+    }
+}

@@ -1,0 +1,376 @@
+// Products with 8-bit activations (opt-in: `--activation-quant int8`): y[m, o] = sum_i x̂[m, i] · W[o, i].
+//
+// The exact products of quant.c turn every weight into a float32 and make one FMA per weight and
+// activation row: at 16 rows a decode step is bound by those FMAs, not by the bytes it reads. Here
+// each activation row is quantized per sub-block to int8 (x̂ = dx·q, dx = max|x| / 127, q rounded to
+// the nearest integer), the weights' integer codes stay integers, and one VNNI instruction (vpdpbusd)
+// makes 64 multiply-adds. The weights are exact: the result is the product of the exact W with x̂,
+// float32 rounding aside. It is not the exact product of W and x — `kvlab quality` measures what the
+// rounding of x costs — so it is a setting, never a default.
+//
+// Layout ("interleaved", the format names' "x16"): the matrix is repacked once, at load, into items of
+// 16 output rows. Within an item, sub-block b (S values: 32, or 16 for Q6_K) of the 16 rows is one group:
+// the 16 rows' codes, lane r of every 64-byte register holding 4 codes of row r, then the 16 rows'
+// float scales and (where the format has them) mins. Every weight is scale·(code − off) + min with an
+// unsigned code (0..255), so one vpdpbusd multiplies 4 codes of each of 16 rows with 4 codes of x
+// broadcast to all lanes, and lane r ends as row r's sum: no horizontal sums at all.
+//
+//   codes as 4-bit (Q4_0, Q4_1, Q4_K): register k (0..3) holds bytes 4k..4k+3 of each row's 16 bytes,
+//   byte j = code j | code j + 16 << 4; as 8-bit (Q8_0 + 128, Q5_0, Q5_K, Q6_K): register k holds codes
+//   4k..4k+3.
+//
+// Per (item, row of x, group): isum = codes · q − off·sum(q) (integers, exact); then
+// acc += float(isum) · (scale · dx) and, with mins, acc += min · (dx·sum(q)). The same operations in
+// the same order whatever the number of rows and threads: a row's bits do not depend on its batch.
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "pool.h"
+#include "quant_i8.h"
+
+#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define VNNI 1
+#endif
+
+#define LANES 16  // output rows per item
+#define MTILE 8   // activation rows per pass over an item's groups
+#define CHUNK 4   // items claimed at a time
+
+typedef struct {
+    int S;        // values per sub-block (one group)
+    int nibble;   // codes stored as 4-bit
+    int off;      // weight = scale·(code − off) + min
+    int has_min;  // a per-sub-block min
+} Layout;
+
+// By quant.c's source format id (its enum): F32, F16, BF16 have no interleaved form
+static const Layout LAYOUTS[] = {
+    [KVLAB_Q8_0] = {32, 0, 128, 0}, [KVLAB_Q4_0] = {32, 1, 8, 0}, [KVLAB_Q4_1] = {32, 1, 0, 1},
+    [KVLAB_Q5_0] = {32, 0, 16, 0},  [KVLAB_Q4_K] = {32, 1, 0, 1}, [KVLAB_Q5_K] = {32, 0, 0, 1},
+    [KVLAB_Q6_K] = {16, 0, 32, 0},
+};
+
+static int layout(int fmt, Layout* l) {
+    if (fmt < KVLAB_Q8_0 || fmt > KVLAB_Q6_K) return -1;
+    *l = LAYOUTS[fmt];
+    return 0;
+}
+
+static int64_t group_bytes(const Layout* l) {
+    return LANES * (l->nibble ? l->S / 2 : l->S) + LANES * 4 * (1 + l->has_min);
+}
+
+static float f16(const uint8_t* p) {
+    _Float16 h;
+    memcpy(&h, p, sizeof h);
+    return (float)h;
+}
+
+// ---- repacking: one source block → its sub-blocks' codes (0..255), scales and mins -------------
+
+static void k_scales(const uint8_t* s, uint8_t* sc, uint8_t* mn) {  // as quant.c's
+    for (int j = 0; j < 4; j++) {
+        sc[j] = s[j] & 63, mn[j] = s[j + 4] & 63;
+        sc[j + 4] = (s[j + 8] & 15) | ((s[j] >> 2) & 0x30);
+        mn[j + 4] = (s[j + 8] >> 4) | ((s[j + 4] >> 2) & 0x30);
+    }
+}
+
+// codes[v] for the block's values v, scale[g] and min[g] for its sub-blocks g (S values each)
+static void split_block(int fmt, const uint8_t* p, uint8_t* codes, float* scale, float* min) {
+    switch (fmt) {
+    case KVLAB_Q8_0:
+        scale[0] = f16(p), min[0] = 0;
+        for (int j = 0; j < 32; j++) codes[j] = (uint8_t)((int8_t)p[2 + j] + 128);
+        return;
+    case KVLAB_Q4_0:
+    case KVLAB_Q4_1: {
+        const uint8_t* q = p + (fmt == KVLAB_Q4_0 ? 2 : 4);
+        scale[0] = f16(p), min[0] = fmt == KVLAB_Q4_1 ? f16(p + 2) : 0;
+        for (int j = 0; j < 16; j++) codes[j] = q[j] & 15, codes[j + 16] = q[j] >> 4;
+        return;
+    }
+    case KVLAB_Q5_0: {
+        uint32_t qh;
+        memcpy(&qh, p + 2, sizeof qh);
+        scale[0] = f16(p), min[0] = 0;
+        for (int j = 0; j < 16; j++) {
+            codes[j] = (p[6 + j] & 15) | ((qh >> j & 1) << 4);
+            codes[j + 16] = (p[6 + j] >> 4) | ((qh >> (j + 16) & 1) << 4);
+        }
+        return;
+    }
+    case KVLAB_Q4_K:
+    case KVLAB_Q5_K: {
+        uint8_t sc[8], mn[8];
+        const float d = f16(p), dmin = f16(p + 2);
+        k_scales(p + 4, sc, mn);
+        const uint8_t* q = p + (fmt == KVLAB_Q4_K ? 16 : 48);
+        for (int g = 0; g < 8; g++) {
+            scale[g] = d * sc[g], min[g] = -(dmin * mn[g]);
+            for (int l = 0; l < 32; l++) {
+                int c = g % 2 ? q[32 * (g / 2) + l] >> 4 : q[32 * (g / 2) + l] & 15;
+                if (fmt == KVLAB_Q5_K) c |= (p[16 + l] >> g & 1) << 4;
+                codes[32 * g + l] = (uint8_t)c;
+            }
+        }
+        return;
+    }
+    default: {  // Q6_K: 16 groups of 16
+        const float d = f16(p + 208);
+        for (int g = 0; g < 16; g++) scale[g] = d * (int8_t)p[192 + g], min[g] = 0;
+        for (int h = 0; h < 2; h++)  // each half: 128 values from 64 bytes of ql and 32 of qh
+            for (int l = 0; l < 32; l++) {
+                const uint8_t *ql = p + 64 * h, hb = p[128 + 32 * h + l];
+                codes[128 * h + l] = (ql[l] & 15) | ((hb & 3) << 4);
+                codes[128 * h + l + 32] = (ql[l + 32] & 15) | (((hb >> 2) & 3) << 4);
+                codes[128 * h + l + 64] = (ql[l] >> 4) | (((hb >> 4) & 3) << 4);
+                codes[128 * h + l + 96] = (ql[l + 32] >> 4) | (((hb >> 6) & 3) << 4);
+            }
+        return;
+    }
+    }
+}
+
+int64_t kvlab_i8_bytes(int fmt, int64_t rows, int64_t n) {
+    Layout l;
+    if (layout(fmt, &l) || n % l.S) return -1;
+    return (rows + LANES - 1) / LANES * (n / l.S) * group_bytes(&l);
+}
+
+// Repack `rows` rows of `fmt` blocks (row r at w + r·ldw, n values each) into out (kvlab_i8_bytes).
+int kvlab_i8_repack(int fmt, const uint8_t* w, int64_t ldw, int64_t rows, int64_t n, int block_values,
+                    int block_bytes, uint8_t* out) {
+    Layout l;
+    if (layout(fmt, &l) || n % block_values || block_values % l.S) return -1;
+    const int64_t groups = n / l.S, gb = group_bytes(&l), per_block = block_values / l.S;
+    const int code_bytes = l.nibble ? l.S / 2 : l.S;
+    memset(out, 0, (rows + LANES - 1) / LANES * groups * gb);  // missing rows: zero codes, scales, mins
+    uint8_t codes[256];
+    float scale[16], min[16];
+    for (int64_t r = 0; r < rows; r++) {
+        uint8_t* item = out + r / LANES * groups * gb;
+        const int lane = (int)(r % LANES);
+        for (int64_t b = 0; b < n / block_values; b++) {
+            split_block(fmt, w + r * ldw + b * block_bytes, codes, scale, min);
+            for (int64_t s = 0; s < per_block; s++) {
+                uint8_t* g = item + (b * per_block + s) * gb;
+                const uint8_t* c = codes + s * l.S;
+                for (int k = 0; k < code_bytes / 4; k++)  // register k, lane `lane`: 4 bytes
+                    for (int t = 0; t < 4; t++) {
+                        const int j = 4 * k + t;
+                        g[64 * k + 4 * lane + t] = l.nibble ? (uint8_t)(c[j] | c[j + 16] << 4) : c[j];
+                    }
+                float* sc = (float*)(g + LANES * code_bytes);
+                sc[lane] = scale[s];
+                if (l.has_min) sc[LANES + lane] = min[s];
+            }
+        }
+    }
+    return 0;
+}
+
+// ---- the activations: int8 per sub-block ------------------------------------------------------
+
+typedef struct {
+    int32_t q[8];      // S int8 codes, 4 to a word (S ≤ 32)
+    float dx;          // the sub-block's scale
+    float dx_sum;      // dx · sum(q): the min's factor
+    int32_t neg_off;   // −off · sum(q): where every integer sum starts
+    int32_t pad[5];
+} XBlock;  // 64 bytes: one line
+
+// out[b·m + i]: sub-block b of row i, the m rows of a sub-block side by side (the kernel reads them
+// at fixed offsets from one address)
+static void quantize_rows(const float* x, int64_t m, int64_t n, const Layout* l, XBlock* out) {
+    const int64_t groups = n / l->S;
+#if defined(VNNI)
+    // the same numbers as the loop below: max is exact in any order, one rounding per product, and
+    // vcvtps2dq rounds to nearest even as nearbyintf does
+    const int halves = l->S / 16;
+    for (int64_t i = 0; i < m; i++)
+        for (int64_t b = 0; b < groups; b++) {
+            const float* v = x + i * n + b * l->S;
+            XBlock* o = out + b * m + i;
+            __m512 a[2];
+            __m512 amax = _mm512_setzero_ps();
+            for (int h = 0; h < halves; h++) a[h] = _mm512_loadu_ps(v + 16 * h), amax = _mm512_max_ps(amax, _mm512_abs_ps(a[h]));
+            const float top = _mm512_reduce_max_ps(amax);
+            const __m512 id = _mm512_set1_ps(top > 0 ? 127.0f / top : 0.0f);
+            __m512i sum = _mm512_setzero_si512();
+            memset(o, 0, sizeof *o);
+            for (int h = 0; h < halves; h++) {
+                __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(a[h], id));
+                q = _mm512_max_epi32(_mm512_min_epi32(q, _mm512_set1_epi32(127)), _mm512_set1_epi32(-127));
+                sum = _mm512_add_epi32(sum, q);
+                _mm_storeu_si128((__m128i*)o->q + h, _mm512_cvtepi32_epi8(q));
+            }
+            const int32_t total = _mm512_reduce_add_epi32(sum);
+            o->dx = top / 127.0f;
+            o->dx_sum = o->dx * (float)total;
+            o->neg_off = -l->off * total;
+        }
+    return;
+#endif
+    for (int64_t i = 0; i < m; i++)
+        for (int64_t b = 0; b < groups; b++) {
+            const float* v = x + i * n + b * l->S;
+            XBlock* o = out + b * m + i;
+            float amax = 0;
+            for (int j = 0; j < l->S; j++) amax = fabsf(v[j]) > amax ? fabsf(v[j]) : amax;
+            const float id = amax > 0 ? 127.0f / amax : 0.0f;
+            int8_t q[32] = {0};
+            int32_t sum = 0;
+            for (int j = 0; j < l->S; j++) {
+                float r = nearbyintf(v[j] * id);
+                q[j] = (int8_t)(r > 127 ? 127 : r < -127 ? -127 : r);
+                sum += q[j];
+            }
+            memcpy(o->q, q, sizeof o->q);
+            o->dx = amax / 127.0f;
+            o->dx_sum = o->dx * (float)sum;
+            o->neg_off = -l->off * sum;
+            memset(o->pad, 0, sizeof o->pad);
+        }
+}
+
+// ---- the product ------------------------------------------------------------------------------
+
+typedef struct {
+    Layout l;
+    const uint8_t* w;
+    const XBlock* xq;  // [m, groups]
+    float* y;
+    int64_t m, groups, ldy, out;
+} Product;
+
+#if defined(VNNI)
+// M activation rows against one item's groups. NIB, NW (code registers per group: 4 or 8) and MIN are
+// the layout's, as constants, so that everything stays in registers: M sums of NW vpdpbusd each, the
+// M interleaved so that no sum waits on its own last instruction.
+static inline __attribute__((always_inline)) void item_rows(const Product* p, const uint8_t* item, int64_t i0,
+                                                            const int M, const int NIB, const int NW, const int MIN,
+                                                            __m512* acc) {
+    const int gb = (int)group_bytes(&p->l), words = NIB ? NW / 2 : NW;
+    const __m512i low4 = _mm512_set1_epi8(15);
+    for (int i = 0; i < M; i++) acc[i] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < p->groups; b++) {
+        const uint8_t* g = item + b * gb;
+        const XBlock* xs = p->xq + b * p->m + i0;
+        __m512i w[8];
+        if (NIB) {
+            for (int k = 0; k < 4; k++) {
+                const __m512i v = _mm512_loadu_si512(g + 64 * k);
+                w[k] = _mm512_and_si512(v, low4), w[k + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+            }
+        } else {
+            for (int k = 0; k < NW; k++) w[k] = _mm512_loadu_si512(g + 64 * k);
+        }
+        __m512i s[8];
+        for (int i = 0; i < M; i++) s[i] = _mm512_set1_epi32(xs[i].neg_off);
+#pragma GCC unroll 8
+        for (int k = 0; k < NW; k++)
+#pragma GCC unroll 8
+            for (int i = 0; i < M; i++) s[i] = _mm512_dpbusd_epi32(s[i], w[k], _mm512_set1_epi32(xs[i].q[k]));
+        const float* sc = (const float*)(g + 64 * words);
+        const __m512 scale = _mm512_loadu_ps(sc);
+#pragma GCC unroll 8
+        for (int i = 0; i < M; i++) {
+            const XBlock* x = xs + i;
+            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[i]), _mm512_mul_ps(scale, _mm512_set1_ps(x->dx)), acc[i]);
+            if (MIN) acc[i] = _mm512_fmadd_ps(_mm512_loadu_ps(sc + LANES), _mm512_set1_ps(x->dx_sum), acc[i]);
+        }
+    }
+}
+
+#define LAYOUT_ROWS(M)                                                                             \
+    static void rows_##M(const Product* p, const uint8_t* item, int64_t i0, __m512* acc) {          \
+        const Layout* l = &p->l;                                                                   \
+        if (l->nibble) {                                                                           \
+            if (l->has_min) item_rows(p, item, i0, M, 1, 8, 1, acc);                               \
+            else item_rows(p, item, i0, M, 1, 8, 0, acc);                                          \
+        } else if (l->S == 16) {                                                                   \
+            item_rows(p, item, i0, M, 0, 4, 0, acc);                                               \
+        } else {                                                                                   \
+            if (l->has_min) item_rows(p, item, i0, M, 0, 8, 1, acc);                               \
+            else item_rows(p, item, i0, M, 0, 8, 0, acc);                                          \
+        }                                                                                          \
+    }
+LAYOUT_ROWS(1)
+LAYOUT_ROWS(2)
+LAYOUT_ROWS(3)
+LAYOUT_ROWS(4)
+LAYOUT_ROWS(5)
+LAYOUT_ROWS(6)
+LAYOUT_ROWS(7)
+LAYOUT_ROWS(8)
+static void (*const ROWS_OF[MTILE])(const Product*, const uint8_t*, int64_t, __m512*) = {
+    rows_1, rows_2, rows_3, rows_4, rows_5, rows_6, rows_7, rows_8};
+
+static void items(void* ctx, uint32_t begin, uint32_t end) {
+    const Product* p = ctx;
+    const int64_t item_bytes = p->groups * group_bytes(&p->l);
+    for (int64_t it = begin; it < end; it++) {
+        const int64_t o0 = it * LANES;
+        const __mmask16 keep = p->out - o0 >= LANES ? 0xFFFF : (__mmask16)((1u << (p->out - o0)) - 1);
+        for (int64_t i = 0; i < p->m; i += MTILE) {
+            __m512 acc[MTILE];
+            const int M = p->m - i < MTILE ? (int)(p->m - i) : MTILE;
+            ROWS_OF[M - 1](p, p->w + it * item_bytes, i, acc);
+            for (int k = 0; k < M; k++) _mm512_mask_storeu_ps(p->y + (i + k) * p->ldy + o0, keep, acc[k]);
+        }
+    }
+}
+#else
+// Any machine: the same integers, and the same float operations per lane in the same order.
+static void items(void* ctx, uint32_t begin, uint32_t end) {
+    const Product* p = ctx;
+    const int nib = p->l.nibble, words = (nib ? p->l.S / 2 : p->l.S) / 4;
+    const int64_t gb = group_bytes(&p->l), item_bytes = p->groups * gb;
+    for (int64_t it = begin; it < end; it++) {
+        const int64_t o0 = it * LANES;
+        const int rows = p->out - o0 >= LANES ? LANES : (int)(p->out - o0);
+        for (int64_t i = 0; i < p->m; i++)
+            for (int r = 0; r < rows; r++) {
+                float acc = 0;
+                for (int64_t b = 0; b < p->groups; b++) {
+                    const uint8_t* g = p->w + it * item_bytes + b * gb;
+                    const XBlock* x = p->xq + b * p->m + i;
+                    const int8_t* xq = (const int8_t*)x->q;
+                    int32_t isum = 0;
+                    for (int k = 0; k < words; k++)
+                        for (int t = 0; t < 4; t++) {
+                            const uint8_t c = g[64 * k + 4 * r + t];
+                            if (nib) isum += (c & 15) * xq[4 * k + t] + (c >> 4) * xq[16 + 4 * k + t];
+                            else isum += c * xq[4 * k + t];
+                        }
+                    const float* sc = (const float*)(g + 64 * words);
+                    acc = fmaf((float)(isum + x->neg_off), sc[r] * x->dx, acc);
+                    if (p->l.has_min) acc = fmaf(sc[LANES + r], x->dx_sum, acc);
+                }
+                p->y[i * p->ldy + o0 + r] = acc;
+            }
+    }
+}
+#endif
+
+// y[i, o] (row stride ldy), i < m, o < out: x [m, n] float32 quantized per sub-block, times the
+// interleaved matrix w (kvlab_i8_repack). Returns 0; −1 for a format without an interleaved form or n
+// not whole sub-blocks; −2 when no memory was left for the quantized activations.
+int kvlab_i8_matmul(int fmt, const uint8_t* w, const float* x, float* y, int64_t m, int64_t n, int64_t ldy,
+                    int64_t out, int threads) {
+    Layout l;
+    if (layout(fmt, &l) || n % l.S || (out + LANES - 1) / LANES >= UINT32_MAX) return -1;
+    const int64_t groups = n / l.S;
+    XBlock* xq = aligned_alloc(64, m * groups * sizeof(XBlock));
+    if (!xq) return -2;
+    quantize_rows(x, m, n, &l, xq);
+    Product p = {l, w, xq, y, m, groups, ldy, out};
+    kvlab_pool_run(items, &p, (uint32_t)((out + LANES - 1) / LANES), CHUNK, threads);
+    free(xq);
+    return 0;
+}

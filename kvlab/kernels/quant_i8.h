@@ -1,0 +1,12 @@
+// The interleaved layout for 8-bit activations (quant_i8.c), called by quant.c's products.
+#pragma once
+#include <stdint.h>
+
+// quant.c's format ids (its FORMATS order) of the formats with an interleaved form
+enum { KVLAB_Q8_0 = 3, KVLAB_Q4_0, KVLAB_Q4_1, KVLAB_Q5_0, KVLAB_Q4_K, KVLAB_Q5_K, KVLAB_Q6_K };
+
+int64_t kvlab_i8_bytes(int fmt, int64_t rows, int64_t n);
+int kvlab_i8_repack(int fmt, const uint8_t* w, int64_t ldw, int64_t rows, int64_t n, int block_values,
+                    int block_bytes, uint8_t* out);
+int kvlab_i8_matmul(int fmt, const uint8_t* w, const float* x, float* y, int64_t m, int64_t n, int64_t ldy,
+                    int64_t out, int threads);

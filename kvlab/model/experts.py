@@ -1,0 +1,136 @@
+"""The routed experts of one MoE layer: E gated MLPs stored as stacked matrices, run grouped by expert.
+
+    gate_up  [E, 2I, hidden]  each expert's gate rows, then its up rows (float), or per part the file's
+                              blocks [E, I, row bytes] (GGUF's ffn_gate_exps / ffn_up_exps, kept packed)
+    down     [E, hidden, I]   (float), or blocks [E, hidden, row bytes] (ffn_down_exps)
+    gate_up_bias [E, 2I], down_bias [E, hidden]   gpt-oss only
+
+A token's pass reads only the experts it chose: `bytes_read_per_token` is top_k of E experts' bytes,
+and the forward multiplies each chosen expert once with every row that chose it (the C kernels when
+the rows are decode-sized or a few chunks of that, BLAS otherwise), never touching an expert nobody
+chose, so a memory-mapped file's unused experts stay on disk.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvlab.config import MoE
+from kvlab.kernels import current, linear
+from kvlab.quant.linear import PackedTensor, packed_product
+
+CHUNKED_ROWS = 4  # up to this many chunks of the kernels' rows, a packed expert's product stays on the kernels
+
+
+def group_by_expert(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """Expert ids [N, k] → (order [N·k]: flat (token, slot) indices sorted by expert, stably; token of each
+    [N·k]; counts [E]: how many of them each expert has). Expert e's rows are order[start_e : start_e + count_e]."""
+    flat = ids.reshape(-1)  # [N·k]
+    order = torch.sort(flat, stable=True).indices
+    counts = torch.bincount(flat, minlength=num_experts).tolist()
+    return order, order // ids.shape[1], counts
+
+
+def expert_activation(moe: MoE):
+    """gate [n, I], up [n, I] → act(gate) · up for the experts' activation."""
+    if moe.activation == "clamped_swiglu":
+        limit, alpha = moe.swiglu_limit, moe.swiglu_alpha
+
+        def clamped(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+            gate = gate.clamp(max=limit)
+            up = up.clamp(min=-limit, max=limit)
+            return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+        return clamped
+    return lambda gate, up: F.silu(gate) * up
+
+
+class Experts(nn.Module):
+    """E experts' matrices; forward(x [N, hidden], weights [N, k], ids [N, k]) → Σ weight · expert(x) [N, hidden]."""
+
+    def __init__(self, moe: MoE, hidden: int):
+        super().__init__()
+        E, I = moe.num_experts, moe.expert_size
+        self.num_experts, self.top_k, self.hidden, self.expert_size = E, moe.top_k, hidden, I
+        self.act = expert_activation(moe)
+        self.gate_up = nn.Parameter(torch.empty(E, 2 * I, hidden), requires_grad=False)
+        self.down = nn.Parameter(torch.empty(E, hidden, I), requires_grad=False)
+        self.gate_up_bias = nn.Parameter(torch.empty(E, 2 * I), requires_grad=False) if moe.expert_bias else None
+        self.down_bias = nn.Parameter(torch.empty(E, hidden), requires_grad=False) if moe.expert_bias else None
+        self.formats: dict[str, list[str]] = {}  # "gate_up" / "down" → the block format of each part, when packed
+        self._shapes: dict[str, list[tuple[int, int]]] = {}  # ... and each part's [rows, in] per expert
+
+    # ---- packed (GGUF blocks) -------------------------------------------------------------------------
+
+    def set_packed(self, name: str, parts: list[PackedTensor]) -> None:
+        """Keep `name` ("gate_up" or "down") as the file's blocks: parts of shape [E, rows, in], data
+        uint8 [E, rows, row bytes] (gate_up: the gate part, then the up part)."""
+        delattr(self, name)
+        for i, p in enumerate(parts):
+            self.register_buffer(f"{name}_{i}", p.data, persistent=False)
+        self.formats[name] = [p.fmt for p in parts]
+        self._shapes[name] = [tuple(p.shape[1:]) for p in parts]
+
+    def expert_parts(self, name: str, e: int) -> list[PackedTensor]:
+        """Expert e's matrices of a packed `name`, as 2-D PackedTensors (views into the stacked blocks)."""
+        return [PackedTensor(fmt, shape, getattr(self, f"{name}_{i}")[e])
+                for i, (fmt, shape) in enumerate(zip(self.formats[name], self._shapes[name]))]  # fmt: skip
+
+    def _product(self, name: str, e: int, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x [n, in] times expert e's `name` matrix (+ its bias) → [n, out]."""
+        if name not in self.formats:
+            return linear(x, getattr(self, name)[e], None if bias is None else bias[e])
+        parts, rows = self.expert_parts(name, e), current().max_kernel_rows
+        if x.device.type == "cpu" and rows < x.shape[0] <= CHUNKED_ROWS * rows:
+            # a prompt's rows for one expert (about tokens · k / E of them): the block kernels over chunks of
+            # rows read the expert's blocks a few times, where BLAS would first expand them all to float32
+            # (3× slower for Qwen3-30B-A3B's experts at 64 rows)
+            y = torch.cat([packed_product(x[i : i + rows], parts) for i in range(0, x.shape[0], rows)])
+        else:
+            y = packed_product(x, parts)  # float32 [n, out]
+        if bias is not None:
+            y = y + bias[e].to(y.dtype)
+        return y.to(x.dtype)
+
+    # ---- the forward ------------------------------------------------------------------------------------
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        order, tokens, counts = group_by_expert(ids, self.num_experts)
+        flat_weights = weights.reshape(-1)  # [N·k]
+        out = torch.zeros_like(x)  # [N, hidden]
+        start = 0
+        for e, n in enumerate(counts):  # ascending expert ids: each token sums its experts in transformers' order
+            if n == 0:
+                continue
+            picked, rows = order[start : start + n], tokens[start : start + n]  # [n] each
+            start += n
+            h = x.index_select(0, rows)  # [n, hidden]
+            gate_up = self._product("gate_up", e, h, self.gate_up_bias)  # [n, 2I]
+            gate, up = gate_up.split(self.expert_size, dim=-1)
+            y = self._product("down", e, self.act(gate, up), self.down_bias)  # [n, hidden]
+            out.index_add_(0, rows, (y * flat_weights[picked, None]).to(out.dtype))
+        return out
+
+    # ---- what it costs ----------------------------------------------------------------------------
+
+    def weight_tensors(self) -> list[torch.Tensor]:
+        tensors = []
+        for name in ("gate_up", "down"):
+            if name in self.formats:
+                tensors += [getattr(self, f"{name}_{i}") for i in range(len(self.formats[name]))]
+            else:
+                tensors.append(getattr(self, name))
+        return tensors + [b for b in (self.gate_up_bias, self.down_bias) if b is not None]
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.weight_tensors())
+
+    def bytes_read_per_token(self) -> int:
+        """One token reads its top_k experts: top_k / E of every stacked matrix and bias."""
+        return self.nbytes() * self.top_k // self.num_experts
+
+    @property
+    def macs_per_token(self) -> int:
+        return self.top_k * 3 * self.hidden * self.expert_size

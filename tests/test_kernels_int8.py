@@ -1,0 +1,142 @@
+"""8-bit activations (kernels/quant_i8.c, kvlab/quant/activations.py): the opt-in products.
+
+Their contract: the exact weights times the activations rounded to int8 per sub-block (x̂ = dx·q with
+dx = max|x| / 127, 32 values per sub-block, 16 for Q6_K), to float32 tolerance; the same bits for a row
+alone or in any batch and on any number of threads; a model converted whole, its greedy output
+still the model's own on the registry-style tiny GGUF.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from kvlab.kernels import quant
+from kvlab.quant.linear import PackedTensor
+from quant_blocks import oracle, random_blocks
+
+needs_kernel = pytest.mark.skipif(not quant.available(), reason="no C compiler: the reference dequantization serves")
+
+FORMATS = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q4_K", "Q5_K", "Q6_K"]
+ROWS = [1, 2, 3, 8, 16, 17, 32, 40]
+
+
+def sub_block(fmt: str) -> int:
+    return 16 if fmt == "Q6_K" else 32
+
+
+def rounded(x: torch.Tensor, size: int) -> np.ndarray:
+    """x̂: each run of `size` values as int8 codes times their scale, in float32 as the kernel rounds."""
+    v = x.numpy().astype(np.float32).reshape(x.shape[0], -1, size)
+    amax = np.abs(v).max(axis=2, keepdims=True)
+    inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
+    q = np.clip(np.rint(v * inv), -127, 127)
+    return ((amax / np.float32(127)) * q).astype(np.float32).reshape(x.shape)
+
+
+def shapes(fmt: str) -> list[tuple[int, int]]:
+    """(out, in): row counts no item of 16 divides, and inputs of several blocks."""
+    return [(13, 256), (67, 768)] if fmt.endswith("K") else [(13, 96), (67, 288)]
+
+
+def interleaved(fmt: str, out: int, n: int, seed: int) -> tuple[PackedTensor, np.ndarray]:
+    blocks = random_blocks(fmt, out, n, seed=seed)
+    found = quant.interleave(PackedTensor(fmt, (out, n), torch.from_numpy(blocks)))
+    assert found is not None and found[0] == fmt + "x16"
+    return PackedTensor(found[0], (out, n), found[1]), oracle(fmt, blocks, n)
+
+
+@needs_kernel
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_products_equal_the_exact_weights_times_int8_rounded_activations(fmt):
+    for out, n in shapes(fmt):
+        part, w = interleaved(fmt, out, n, seed=out)
+        for rows in ROWS:
+            x = torch.randn(rows, n, generator=torch.Generator().manual_seed(rows)) * 3
+            y = quant.packed_linear(x, [part], out)
+            ref = rounded(x, sub_block(fmt)).astype(np.float64) @ w.astype(np.float64).T
+            err = np.abs(y.double().numpy() - ref).max() / np.abs(ref).max()
+            assert err <= 1e-5, (fmt, out, n, rows, err)
+            # and it is the rounding of x that separates it from the exact product: near, not equal
+            exact = x.double().numpy() @ w.astype(np.float64).T
+            assert 0 < np.abs(y.double().numpy() - exact).max() / np.abs(exact).max() < 0.05, (fmt, rows)
+
+
+@needs_kernel
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_rows_bits_do_not_depend_on_its_batch_or_the_threads(fmt):
+    out, n = shapes(fmt)[1]
+    part, _ = interleaved(fmt, out, n, seed=5)
+    x = torch.randn(40, n, generator=torch.Generator().manual_seed(3))
+    one = quant.packed_linear(x, [part], out, threads=1)
+    for threads in (2, 3):
+        assert torch.equal(quant.packed_linear(x, [part], out, threads=threads), one), threads
+    for rows in (1, 2, 3, 5, 8, 9, 16, 17, 32):
+        assert torch.equal(quant.packed_linear(x[:rows], [part], out, threads=2), one[:rows]), rows
+    for i in (0, 7, 39):  # a row alone, wherever it sat
+        assert torch.equal(quant.packed_linear(x[i : i + 1], [part], out), one[i : i + 1]), i
+
+
+@needs_kernel
+def test_zero_and_tiny_activations_and_a_fused_matrix():
+    """An all-zero sub-block (scale 0) gives exact zeros; each part of a fused matrix fills its columns."""
+    parts, ws = zip(*(interleaved(f, rows, 256, seed=i) for i, (f, rows) in enumerate((("Q4_K", 20), ("Q8_0", 7), ("Q6_K", 16)))))
+    x = torch.randn(4, 256)
+    x[1] = 0
+    x[2, :32] = 1e-30
+    y = quant.packed_linear(x, list(parts), 43)
+    assert torch.equal(y[1], torch.zeros(43))
+    start = 0
+    for part, w in zip(parts, ws):
+        alone = quant.packed_linear(x, [part], part.shape[0])
+        assert torch.equal(y[:, start : start + part.shape[0]], alone)
+        start += part.shape[0]
+
+
+@needs_kernel
+def test_interleaved_parts_take_prompt_sized_passes_and_refuse_dequantizing():
+    part, w = interleaved("Q4_0", 24, 64, seed=1)
+    x = torch.randn(100, 64)  # far more rows than a decode step: still the kernel (no float copy exists)
+    assert quant.applies(x, [part.fmt])
+    y = quant.packed_linear(x, [part], 24)
+    ref = rounded(x, 32).astype(np.float64) @ w.astype(np.float64).T
+    assert np.abs(y.double().numpy() - ref).max() / np.abs(ref).max() <= 1e-5
+    with pytest.raises(ValueError):
+        quant.dequantize(part)
+    assert quant.interleave(PackedTensor("F16", (4, 8), torch.zeros(4, 16, dtype=torch.uint8))) is None
+
+
+@pytest.fixture(scope="module")
+def portable(tmp_path_factory):
+    """The kernels built without AVX-512 (where this machine has it): quant_i8.c's plain C loop."""
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None or "avx512_vnni" not in Path("/proc/cpuinfo").read_text(errors="ignore"):
+        pytest.skip("no compiler, or no AVX-512 VNNI here: the machine's own build is the portable one")
+    here = Path(quant.__file__).parent
+    target = tmp_path_factory.mktemp("portable") / "quant.so"
+    sources = [str(here / name) for name in ("quant.c", "quant_i8.c", "pool.c")]
+    flags = ["-O3", "-march=native", "-mno-avx512f", "-pthread", "-shared", "-fPIC", "-std=gnu11"]
+    subprocess.run([compiler, *flags, *sources, "-o", str(target), "-lm"], check=True, capture_output=True)
+    lib = ctypes.CDLL(str(target))
+    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    lib.kvlab_quant_matmul.argtypes = [i32, p, i64, p, p, i64, i64, i64, i64, i32]
+    return lib
+
+
+@needs_kernel
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_the_portable_loop_gives_the_vnni_kernels_bits(portable, fmt):
+    """The same integers and the same float operations per output, in the same order: equal bits."""
+    out, n = shapes(fmt)[1]
+    part, _ = interleaved(fmt, out, n, seed=2)
+    x = torch.randn(5, n, generator=torch.Generator().manual_seed(1))
+    y = torch.empty(5, out)
+    fid = quant._format_ids()[part.fmt]
+    assert portable.kvlab_quant_matmul(fid, part.data.data_ptr(), 0, x.data_ptr(), y.data_ptr(), 5, n, out, out, 2) == 0
+    assert torch.equal(y, quant.packed_linear(x, [part], out))

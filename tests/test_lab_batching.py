@@ -1,0 +1,105 @@
+"""`kvlab lab batching`'s engine decode steps on a tiny random model: what is measured, and a verdict
+that follows the numbers.
+
+The structure test runs the real measurement (the serving engine, B requests, consecutive steps) and
+checks what ran: every timed step was exactly B one-token decode rows, on the decode path the engine
+chose for the model. The verdict tests inject the step times (Lab.measure replaced by a cost curve of
+B), so they say the same on a quiet machine and a busy one; no test asserts a timing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+
+import pytest
+
+from kvlab.lab import batching
+from kvlab.lab.common import Lab, Timing
+from kvlab.lab.report import ratio, verdict_text
+from kvlab.model.loader import load_model
+
+
+@pytest.fixture(scope="module")
+def lab(tiny_chat_model, one_thread):
+    return Lab(load_model(tiny_chat_model), "tiny", repeat=2, quick=True, show_progress=False)
+
+
+def test_engine_decode_steps_are_b_one_token_rows_on_the_engine_path(lab):
+    from kvlab.backends import choose_decode_path
+
+    data = asdict(batching.run(lab))
+    steps = data["decode_steps"]
+    assert [p["sequences"] for p in steps] == list(batching.QUICK_DECODE_BATCHES)
+    assert data["decode_context"] == batching.QUICK_DECODE_CONTEXT
+    runs = 1 + lab.repeat  # the warm-up and the timed runs, each steps_per_run consecutive steps
+    for p in steps:
+        assert p["pure_decode"], p  # B decode rows of one token, no prompt chunk, in every step
+        assert p["steps_per_run"] == batching.QUICK_DECODE_STEPS
+        assert p["timed_steps"] == runs * p["steps_per_run"]
+        assert p["step"]["runs"] == lab.repeat and p["tok_s"] > 0
+    assert steps[0]["relative_cost"] == 1.0
+    assert all(p["relative_cost"] == p["step"]["median_s"] / steps[0]["step"]["median_s"] for p in steps)
+    # the path `kvlab serve` would take for this model: the decode backend for every step, or the modules
+    backend = choose_decode_path(lab.model).backend is not None
+    assert data["decode_path"].startswith("decode on ")
+    assert all(p["backend_steps"] == (p["timed_steps"] if backend else 0) for p in steps), (data["decode_path"], steps)
+    table = batching.table(data)
+    assert "ms per engine step" in table and "seed" in table and "ms per pass" in table
+    assert verdict_text(batching, data, quick=True).startswith("Not judged (quick run)")
+
+
+@pytest.mark.parametrize(
+    "per_extra_sequence, word",
+    [
+        (0.05, "Held"),  # 10 sequences: 1.45× one
+        (0.12, "Held"),  # 2.08×: above the seed's 1.86×, within its 15% noise margin (2.14×)
+        (0.2, "Partly held"),  # 2.8×: beyond the margin
+        (0.3, "Partly held"),  # 3.7×: batching pays, but not as the seed says
+        (1.0, "Did not hold"),  # 10×: ten sequences cost ten steps
+    ],
+)
+def test_verdict_follows_injected_step_times(lab, monkeypatch, per_extra_sequence, word):
+    """A step of B sequences costs 20 ms × (1 + k·(B − 1)): the verdict's word is fixed by k alone."""
+    engines = []
+    real_engine = batching.decode_engine
+
+    def spy_engine(*args):
+        engines.append(real_engine(*args))
+        return engines[-1]
+
+    def fake_measure(run, setup=None, repeat=None):
+        if setup:
+            setup()
+        run()  # the real steps run (their checks count), their time is replaced
+        b = engines[-1].num_running if engines and engines[-1].has_unfinished_requests else 1
+        steps = batching.QUICK_DECODE_STEPS
+        return Timing.of([0.020 * (1 + per_extra_sequence * (b - 1)) * steps] * 3)
+
+    monkeypatch.setattr(batching, "decode_engine", spy_engine)
+    monkeypatch.setattr(lab, "measure", fake_measure)
+    data = asdict(batching.run(lab))
+    ten = next(p for p in data["decode_steps"] if p["sequences"] == 10)
+    assert ten["relative_cost"] == pytest.approx(1 + 9 * per_extra_sequence)
+    expected = ("Held" if ten["relative_cost"] <= batching.SEED_RATIO * (1 + batching.NOISE)
+                else "Partly held" if ten["relative_cost"] < 5 else "Did not hold")  # fmt: skip
+    assert expected == word
+    text = verdict_text(batching, data, quick=False)
+    assert text.startswith(word + ":"), text
+    assert ratio(ten["relative_cost"]) in text and "1.9×" in text  # measured and the seed's, side by side
+    assert verdict_text(batching, data, quick=True).startswith("Not judged (quick run)")
+
+
+def point(b: int, ms: float, one_ms: float, pure: bool = True) -> dict:
+    return asdict(batching.decode_step_point(b, Timing.of([ms / 1e3]), 8, 32, 32, pure, one_ms / 1e3))
+
+
+def test_verdict_needs_pure_decode_steps_and_a_ten_sequence_point():
+    base = {"passes": [], "sequences": [], "decode_path": "decode on c-step"}
+    good = [point(1, 28, 28), point(10, 50, 28)]
+    assert batching.verdict({**base, "decode_steps": good}).startswith("Held:")
+    mixed = [point(1, 28, 28), point(10, 50, 28, pure=False)]  # a prompt chunk rode along: not a decode step
+    assert batching.verdict({**base, "decode_steps": mixed}).startswith("Did not hold:")
+    assert batching.verdict({**base, "decode_steps": [point(1, 28, 28), point(8, 40, 28)]}).startswith("Not judged")
+    seed = [point(1, batching.SEED_ONE_MS, 28), point(10, batching.SEED_TEN_MS, 28), point(16, 80, 28)]
+    text = batching.verdict({**base, "decode_steps": seed})
+    assert text.startswith("Held:") and "at 16 sequences 2.9×" in text and "≤ 2.5×" in text
