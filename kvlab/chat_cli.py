@@ -48,14 +48,17 @@ class Conversation:
 def run_chat(args) -> int:
     convo = Conversation(sampling_params(args), system=args.system)
     llm = open_llm_advised(args)
-    if llm.tokenizer is None or llm.tokenizer.chat_template is None:
-        raise KvlabError(f"{args.model} has no chat template: use `kvlab run MODEL PROMPT` with a raw prompt")
-    warn_if_busy(llm, args)
-    resume_conversation(convo, args)
-    save_history = line_editing()
-    print(f"kvlab chat with {args.model} ({dtype_text(llm, args)} on {args.device}, {threads_text(llm, args)}). "
-          "/help for commands; Ctrl-D or /bye leaves.", file=sys.stderr)  # fmt: skip
-    return chat_loop(llm, convo, args, save_history)
+    try:
+        if llm.tokenizer is None or llm.tokenizer.chat_template is None:
+            raise KvlabError(f"{args.model} has no chat template: use `kvlab run MODEL PROMPT` with a raw prompt")
+        warn_if_busy(llm, args)
+        resume_conversation(convo, args)
+        save_history = line_editing()
+        print(f"kvlab chat with {args.model} ({dtype_text(llm, args)} on {args.device}, {threads_text(llm, args)}). "
+              "/help for commands; Ctrl-D or /bye leaves.", file=sys.stderr)  # fmt: skip
+        return chat_loop(llm, convo, args, save_history)
+    finally:
+        llm.close()  # the prompt cache's queued blocks written (--prompt-cache-dir), its threads stopped
 
 
 def chat_loop(llm, convo: Conversation, args, save_history=lambda: None) -> int:

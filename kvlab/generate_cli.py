@@ -69,7 +69,10 @@ def cmd_run(args) -> int:
     if prompt is None:
         return cmd_chat(args)
     llm = open_llm_advised(args)
-    return _generate(llm, prompt, params, args)
+    try:
+        return _generate(llm, prompt, params, args)
+    finally:
+        llm.close()  # the prompt cache's queued blocks written (--prompt-cache-dir), its threads stopped
 
 
 def _run_parallel(args, params) -> int:
