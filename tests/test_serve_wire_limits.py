@@ -232,7 +232,8 @@ def test_a_small_request_is_answered_while_a_giant_one_runs_and_greedy_text_is_u
         assert order == ["giant started", "small done", "giant done"]
         assert small["choices"][0]["text"] == small_alone  # greedy: the same tokens as alone
         assert [giant_text[i] for i in range(3)] == alone
-        assert s.llm.engine.scheduler.num_preemptions >= 1
+        # the small request usually takes its seat by preempting one of the giant's sequences, but one that
+        # arrives as a giant sequence finishes gets the freed seat instead: the order above is the claim
         s.assert_still_serving()
 
 
