@@ -59,7 +59,7 @@ def peak_rss() -> int:
 # ---- the two workers: each measures one model in its own process and prints one JSON line -------------
 
 
-def kvlab_worker(model: str, ids: dict[int, list[int]], threads: int) -> dict:
+def kvlab_worker(model: str, ids: dict[int, list[int]], threads: int, activation_quant: str | None = None) -> dict:
     sys.path.insert(0, str(ROOT))
     import torch
 
@@ -68,7 +68,7 @@ def kvlab_worker(model: str, ids: dict[int, list[int]], threads: int) -> dict:
     torch.set_num_threads(threads)
     t = time.perf_counter()
     llm = LLM(model, threads=threads, max_model_len=2048, max_num_seqs=1, max_num_batched_tokens=2048,
-              enable_prefix_caching=False)  # fmt: skip
+              enable_prefix_caching=False, activation_quant=activation_quant)  # fmt: skip
     out = {"load_s": time.perf_counter() - t, "weight_format": llm.loaded.weight_format,
            "weight_bytes": llm.loaded.weight_bytes}  # fmt: skip
     engine = llm.engine
@@ -105,8 +105,10 @@ def step_split(decode, policy) -> dict:
     step_ms = 1000 * decode().metrics.decode_s / DECODE_STEPS
     spent = [0.0]
 
-    def timed(fn):
+    def timed(fn, x_arg: int):
         def call(*args, **kwargs):
+            if args[x_arg].reshape(-1, args[x_arg].shape[-1]).shape[0] != 1:  # the prompt's passes: not counted
+                return fn(*args, **kwargs)
             t = clock.perf_counter()
             try:
                 return fn(*args, **kwargs)
@@ -116,12 +118,12 @@ def step_split(decode, policy) -> dict:
         return call
 
     saved = gemv._gemv, quant.packed_linear, policy.fused_decode
-    gemv._gemv, quant.packed_linear, policy.fused_decode = timed(gemv._gemv), timed(quant.packed_linear), False
+    gemv._gemv, quant.packed_linear, policy.fused_decode = timed(gemv._gemv, 1), timed(quant.packed_linear, 0), False
     try:
         m = decode().metrics
     finally:
         gemv._gemv, quant.packed_linear, policy.fused_decode = saved
-    products_ms = 1000 * spent[0] / (DECODE_STEPS + 1)  # the prefill's products are not kernel calls
+    products_ms = 1000 * spent[0] / DECODE_STEPS  # the decode steps' one-row products
     return {"step_ms": step_ms, "products_ms": products_ms, "rest_ms": step_ms - products_ms,
             "unfused_step_ms": 1000 * m.decode_s / DECODE_STEPS}  # fmt: skip
 
@@ -173,10 +175,12 @@ def _model_path(model: str) -> Path:
 # ---- the orchestrator ---------------------------------------------------------------------------------
 
 
-def spawn(engine: str, model: str, ids_file: Path, threads: int, venv: Path) -> dict:
+def spawn(engine: str, model: str, ids_file: Path, threads: int, venv: Path, activation_quant: str | None = None) -> dict:
     python = sys.executable if engine == "kvlab" else str(venv / "bin" / "python")
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": str(threads)}
     cmd = [python, __file__, "--worker", engine, "--models", model, "--ids", str(ids_file), "--threads", str(threads)]
+    if activation_quant and engine == "kvlab":
+        cmd += ["--activation-quant", activation_quant]
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
     if done.returncode != 0:
         raise SystemExit(f"{engine} worker on {model} failed:\n{done.stderr[-3000:]}")
@@ -197,19 +201,24 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--venv", type=Path, default=DEFAULT_VENV, help="llama-cpp-python's venv (setup_llamacpp.sh)")
     ap.add_argument("--json", help="also write the results here")
+    ap.add_argument("--activation-quant", choices=["int8"], help="kvlab's 8-bit activations (as llama.cpp does; "
+                    "not exact, see kvlab quality); default: kvlab's exact products")  # fmt: skip
     ap.add_argument("--worker", choices=["kvlab", "llamacpp"], help=argparse.SUPPRESS)
     ap.add_argument("--ids", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         ids = {int(k): v for k, v in json.loads(Path(args.ids).read_text()).items()}
-        worker = kvlab_worker if args.worker == "kvlab" else llamacpp_worker
-        print(json.dumps(worker(args.models[0], ids, args.threads)))
+        if args.worker == "kvlab":
+            print(json.dumps(kvlab_worker(args.models[0], ids, args.threads, args.activation_quant)))
+        else:
+            print(json.dumps(llamacpp_worker(args.models[0], ids, args.threads)))
         return 0
     if not (args.venv / "bin" / "python").exists():
         raise SystemExit(f"no llama-cpp-python in {args.venv}: run bash benchmarks/setup_llamacpp.sh first")
     import tempfile
 
-    results = {"command": " ".join(sys.argv), "threads": args.threads, "models": {}}
+    results = {"command": " ".join(sys.argv), "threads": args.threads, "activation_quant": args.activation_quant,
+               "models": {}}
     for model in args.models:
         ids = {n: prompt_ids(model, n) for n in sorted({*DECODE_CONTEXTS, PREFILL})}
         with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
@@ -218,7 +227,7 @@ def main() -> int:
         for r in range(args.repeat):
             order = ("kvlab", "llamacpp") if r % 2 == 0 else ("llamacpp", "kvlab")
             for engine in order:
-                runs[engine].append(spawn(engine, model, Path(f.name), args.threads, args.venv))
+                runs[engine].append(spawn(engine, model, Path(f.name), args.threads, args.venv, args.activation_quant))
                 print(f"  {model} round {r + 1} {engine}: " + ", ".join(
                     f"{k} {runs[engine][-1][k]:.3g}" for k in FIGURES), flush=True)  # fmt: skip
         os.unlink(f.name)

@@ -60,7 +60,7 @@ def write_files(layers: int, vocab: int) -> dict[str, Path]:
     return files
 
 
-def batch_worker(model: str, threads: int) -> dict:
+def batch_worker(model: str, threads: int, activation_quant: str | None = None) -> dict:
     """kvlab's decode at BATCH sequences after 64-token prompts: seconds per step (a token of each)."""
     import torch
 
@@ -68,7 +68,7 @@ def batch_worker(model: str, threads: int) -> dict:
 
     torch.set_num_threads(threads)
     llm = LLM(model, threads=threads, max_model_len=512, max_num_seqs=BATCH, max_num_batched_tokens=1024,
-              enable_prefix_caching=False)  # fmt: skip
+              enable_prefix_caching=False, activation_quant=activation_quant)  # fmt: skip
     engine, steps = llm.engine, peer.DECODE_STEPS
     g = torch.Generator().manual_seed(BATCH)
     for _ in range(BATCH):
@@ -85,9 +85,11 @@ def batch_worker(model: str, threads: int) -> dict:
             "weight_bytes": llm.loaded.weight_bytes}  # fmt: skip
 
 
-def spawn_batch(model: Path, threads: int) -> dict:
+def spawn_batch(model: Path, threads: int, activation_quant: str | None = None) -> dict:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": str(threads)}
     cmd = [sys.executable, __file__, "--batch-worker", str(model), "--threads", str(threads)]
+    if activation_quant:
+        cmd += ["--activation-quant", activation_quant]
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
     if done.returncode != 0:
         raise SystemExit(f"kvlab batch worker on {model} failed:\n{done.stderr[-3000:]}")
@@ -106,11 +108,13 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--venv", type=Path, default=peer.DEFAULT_VENV, help="llama-cpp-python's venv")
     ap.add_argument("--json", help="also write the results here")
+    ap.add_argument("--activation-quant", choices=["int8"], help="kvlab's 8-bit activations (as llama.cpp does; "
+                    "not exact, see kvlab quality); default: kvlab's exact products")  # fmt: skip
     ap.add_argument("--batch-worker", help=argparse.SUPPRESS)
     ap.add_argument("--write-files", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.batch_worker:
-        print(json.dumps(batch_worker(args.batch_worker, args.threads)))
+        print(json.dumps(batch_worker(args.batch_worker, args.threads, args.activation_quant)))
         return 0
     if args.write_files:
         write_files(args.layers, args.vocab)
@@ -127,16 +131,18 @@ def main() -> int:
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(ids, f)
     results = {"command": " ".join(sys.argv), "threads": args.threads, "layers": args.layers, "vocab": args.vocab,
+               "activation_quant": args.activation_quant,
                "note": "random Q4_0 blocks: the values are noise; bytes and shapes are Qwen3-30B-A3B's", "files": {}}  # fmt: skip
     for label, path in files.items():
         runs = {"kvlab": [], "llamacpp": [], "batch": []}
         for r in range(args.repeat):
             order = ("kvlab", "llamacpp") if r % 2 == 0 else ("llamacpp", "kvlab")
             for engine in order:
-                runs[engine].append(peer.spawn(engine, str(path), Path(f.name), args.threads, args.venv))
+                runs[engine].append(peer.spawn(engine, str(path), Path(f.name), args.threads, args.venv,
+                                               args.activation_quant))  # fmt: skip
                 print(f"  {label} round {r + 1} {engine}: " + ", ".join(
                     f"{k} {runs[engine][-1][k]:.3g}" for k in FIGURES), flush=True)  # fmt: skip
-            runs["batch"].append(spawn_batch(path, args.threads))
+            runs["batch"].append(spawn_batch(path, args.threads, args.activation_quant))
             print(f"  {label} round {r + 1} kvlab batch {BATCH}: {runs['batch'][-1][f'decode_b{BATCH}_tok_s']:.3g} tok/s",
                   flush=True)  # fmt: skip
         entry = {e: {k: summary([run[k] for run in runs[e]]) for k in FIGURES} for e in ("kvlab", "llamacpp")}

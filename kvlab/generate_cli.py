@@ -136,6 +136,7 @@ def _json_output(llm, out, args) -> dict:
         weight_format=llm.loaded.weight_format,
         kv_cache_dtype=llm.engine.pool_plan.formats.name,
         weight_bytes=llm.loaded.weight_bytes,
+        decode_weight_bytes=llm.loaded.decode_weight_bytes(),
         tensor_parallel_size=llm.group.world_size,
         load_s=llm.loaded.load_s,
         mtp_layers=len(llm.config.mtp_layers),
@@ -169,6 +170,20 @@ def reused_line(llm, m) -> str:
     return line + (f" ({tier.describe()})" if tier is not None else "")
 
 
+def active_weights_line(llm) -> str | None:
+    """For a mixture of experts: the weight bytes one token reads (its chosen experts) beside the total."""
+    from kvlab.config import MoE
+
+    experts = [layer.mlp for layer in llm.config.layers if isinstance(layer.mlp, MoE)]
+    if not experts:
+        return None
+    total, active = llm.loaded.weight_bytes, llm.loaded.decode_weight_bytes()
+    moe = experts[0]
+    return (f"active     {active / 1e6:.1f} MB of the {total / 1e6:.1f} MB of weights read per token "
+            f"({moe.top_k} of {moe.num_experts} experts in each of {len(experts)} MoE layers; "
+            f"a batch of B reads up to B × {moe.top_k} experts a layer)")  # fmt: skip
+
+
 def print_report(llm, out, args, file) -> None:
     """The phase breakdown printed after every answer."""
     m = out.metrics
@@ -190,6 +205,9 @@ def print_report(llm, out, args, file) -> None:
     ]  # fmt: skip
     if m.cached_prompt_tokens or llm.engine.prompt_cache is not None:
         lines.insert(2, reused_line(llm, m))
+    active = active_weights_line(llm)
+    if active:
+        lines.insert(1, active)
     if llm.engine.spec is not None:
         lines.append(speculative_line(llm))
     path = llm.engine.decode_path
@@ -200,5 +218,8 @@ def print_report(llm, out, args, file) -> None:
         lines.append(hint)
     mtp = len(llm.config.mtp_layers)
     if mtp:
-        lines.append(f"MTP heads  {mtp} layer(s) in the checkpoint, kept out of the trunk and the KV pool (not run)")
+        drafting = llm.engine.spec is not None and llm.engine.spec.config.method == "mtp"
+        lines.append(f"MTP heads  {mtp} layer(s) in the checkpoint, kept out of the trunk and the KV pool "
+                     + ("(drafting: --speculative-config method mtp)" if drafting else "(loaded only for "
+                        "--speculative-config '{\"method\": \"mtp\", ...}')"))  # fmt: skip
     print("\n".join(lines), file=file)

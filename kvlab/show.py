@@ -27,8 +27,10 @@ def model_facts(arg: str) -> dict[str, Any]:
     params = count_params(config)
     try:
         attention = config.attention
-    except ValueError:  # no softmax attention at all (a Mamba model)
+    except ValueError:  # no softmax attention at all (a Mamba model, or DeepSeek's latent attention)
         attention = None
+    latent = next((layer.mixer for layer in config.layers if layer.mixer is not None and layer.mixer.kind == "mla"),
+                  None)  # fmt: skip
     facts = {
         "name": arg,
         "description": hub.REGISTRY[arg].description if arg in hub.REGISTRY else extra.pop("title", None),
@@ -37,7 +39,8 @@ def model_facts(arg: str) -> dict[str, Any]:
         "context_length": config.max_position_embeddings,
         "embedding_length": config.hidden_size,
         "layers": config.num_layers,
-        "attention_heads": attention.num_heads if attention else None,
+        "attention_heads": attention.num_heads if attention else latent.num_heads if latent else None,
+        "latent_size": latent.kv_lora_rank + latent.qk_rope_head_dim if latent else None,  # MLA: numbers cached
         "kv_heads": attention.kv_heads if attention else None,
         "head_dim": attention.head_dim if attention else None,
         "vocab_size": config.vocab_size,
@@ -113,6 +116,8 @@ def _bytes_on_disk(path: Path) -> int:
 def render(facts: dict[str, Any], template_lines: int = 6) -> str:
     """The facts in ollama's sections: Model, File, Template (its first lines), License."""
     heads = f"{facts['attention_heads']} ({facts['kv_heads']} KV heads, head dim {facts['head_dim']})"
+    if facts.get("latent_size"):
+        heads = f"{facts['attention_heads']} (latent attention: one latent of {facts['latent_size']} numbers cached)"
     model = [
         ("architecture", facts["architecture"]),
         ("parameters", short_count(facts["parameters"]) if facts["parameters"] else "unknown"),

@@ -103,3 +103,29 @@ def test_run_names_the_setting_and_quality_advice_asks_for_its_measurement(gguf_
     assert bad.returncode == 2 and "Traceback" not in bad.stderr
     note = advice("m", tmp_path / "m.gguf", KVFormats.plain(torch.float32), activation_quant="int8")
     assert note and "kvlab quality m --activation-quant int8" in note.replace("  ", " ")
+
+
+@pytest.mark.parametrize("experts_type", ["Q8_0", "Q4_0"])
+def test_experts_are_interleaved_too_and_sixteen_together_give_each_ones_tokens(tmp_path, experts_type):
+    """A mixture of experts: every expert's blocks interleaved (stacked [E, items, item bytes]), the C step's
+    expert products reading them, the same tokens alone and among 16 on both paths, close to exact."""
+    from tiny_moe import build_tiny_moe, build_tiny_moe_gguf
+
+    from kvlab.model.experts import Experts
+
+    directory = add_tiny_tokenizer(build_tiny_moe("qwen3_moe", tmp_path / "moe"))
+    path = build_tiny_moe_gguf(directory, tmp_path / "moe.gguf", experts_type=experts_type)
+    loaded = with_int8_activations(load_model(path))
+    banks = [m for m in loaded.model.modules() if isinstance(m, Experts)]
+    assert banks and all(f == experts_type + "x16" for b in banks for fmts in b.formats.values() for f in fmts)
+    c_step = LLMEngine(loaded, None, EngineConfig(enable_prefix_caching=False))
+    assert c_step.decode_path.backend is not None, c_step.decode_path.reason
+    batch = prompts(16)
+    alone = [run_all(c_step, [p])[0] for p in batch]
+    assert run_all(c_step, batch) == alone
+    modules = LLMEngine(loaded, None, EngineConfig(enable_prefix_caching=False), policy=ThreadPolicy(fused_decode=False))
+    assert run_all(modules, batch) == alone
+    exact = load_model(path)
+    ids = prompts(1)[0]
+    a, b = (ModelDriver(m.model).append(ids, ContiguousKVCache.for_model(m.config, 64)) for m in (exact, loaded))
+    assert not torch.equal(a, b) and (a - b).abs().max() <= 0.05 * a.abs().max()

@@ -10,19 +10,27 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvlab.config import MoE, bundled_names, load_config
+from kvlab.config import MLA, GatedDeltaNet, MoE, bundled_names, load_config
 from kvlab.errors import KvlabError
 from kvlab.kv.cache import ContiguousKVCache
 from kvlab.kv.layout import KVLayout
 from kvlab.memory import count_params, kv_bytes, kv_bytes_per_token, weight_bytes, window_bytes_per_token
 from kvlab.model.registry import architecture_of
 from kvlab.model.experts import Experts
-from kvlab.model.transformer import SinkLogits, Transformer
+from kvlab.model.deltanet import GatedDeltaNet as DeltaNet
+from kvlab.model.mla import MLAttention
+from kvlab.model.layers import Vector
+from kvlab.model.transformer import Transformer
 
 
 def model_facts(model: Transformer) -> list[tuple]:
     """What the built model holds, layer by layer: heads, kv heads, head size, biases, q/k norm, MLP size."""
     return [
+        (layer.attn.num_v_heads, layer.attn.num_k_heads, layer.attn.k_dim, layer.attn.v_dim, layer.attn.kernel,
+         layer.mlp.intermediate_size) if isinstance(layer.attn, DeltaNet) else  # a hybrid's recurrent layer
+        (layer.attn.num_heads, layer.attn.rank, layer.attn.rope_dim, layer.attn.v_dim,
+         getattr(getattr(layer.attn, "q_a_proj", None), "out_features", None),
+         layer.mlp.intermediate_size) if isinstance(layer.attn, MLAttention) else  # DeepSeek's latent attention
         (layer.attn.num_heads, layer.attn.num_kv_heads, layer.attn.head_dim, layer.attn.qkv_proj.bias is not None,
          layer.attn.q_norm is not None, layer.mlp.intermediate_size)  # an MoE block's: one expert's width
         for layer in model.layers
@@ -31,7 +39,10 @@ def model_facts(model: Transformer) -> list[tuple]:
 
 def config_facts(config) -> list[tuple]:
     return [
-        (m.num_heads, m.kv_heads, m.head_dim, m.qkv_bias, m.qk_norm,
+        (*((m.num_value_heads, m.num_key_heads, m.key_head_dim, m.value_head_dim, m.conv_kernel)
+           if isinstance(m, GatedDeltaNet) else
+           (m.num_heads, m.kv_lora_rank, m.qk_rope_head_dim, m.v_head_dim, m.q_lora_rank) if isinstance(m, MLA) else
+           (m.num_heads, m.kv_heads, m.head_dim, m.qkv_bias, m.qk_norm)),
          layer.mlp.expert_size if isinstance(layer.mlp, MoE) else layer.mlp.intermediate_size)
         for layer in config.layers
         for m in [layer.mixer]
@@ -46,7 +57,7 @@ def held_params(model: Transformer) -> int:
         if key in seen:  # a tied LM head: the embedding's own table
             continue
         seen.add(key)
-        if isinstance(m, (Experts, SinkLogits)):  # every expert, not the top_k a token multiplies with
+        if isinstance(m, (Experts, Vector)):  # every expert, not the top_k a token multiplies with
             total += sum(t.numel() for t in m.weight_tensors())
         elif hasattr(m, "macs_per_token"):
             total += m.macs_per_token + (m.bias.numel() if m.bias is not None else 0)

@@ -259,3 +259,27 @@ def test_portable_build_gives_the_same_numbers(portable, fmt):
         assert relative_error(y[:rows], x[:rows], w) <= 1e-5, rows
         ones.append(y[0].clone())
     assert all(torch.equal(row, ones[0]) for row in ones)
+
+
+@needs_kernel
+@pytest.mark.parametrize("interleave", [False, True])
+@pytest.mark.parametrize("m", [1, 3, 16, 32, 33])
+def test_a_fused_matrix_in_one_dispatch_gives_each_parts_bits_alone(interleave, m):
+    """q, k and v (or gate and up) as one job of the pool (kvlab_quant_matmul_parts): each part's columns
+    are the bits its own call gives, on 1 or 2 threads; two parts quantizing x alike share it (int8)."""
+    spec = [("Q4_K", 40), ("Q4_K", 8), ("Q6_K", 24), ("Q8_0", 16)]
+    parts = []
+    for i, (fmt, rows) in enumerate(spec):
+        part = packed(fmt, random_blocks(fmt, rows, 512, seed=i), 512)
+        if interleave:
+            found = quant.interleave(part)
+            part = PackedTensor(found[0], part.shape, found[1])
+        parts.append(part)
+    x = torch.randn(m, 512, generator=torch.Generator().manual_seed(m))
+    for threads in (1, 2):
+        y = quant.packed_linear(x, parts, sum(rows for _, rows in spec), threads=threads)
+        start = 0
+        for part in parts:
+            alone = quant.packed_linear(x, [part], part.shape[0], threads=threads)
+            assert torch.equal(y[:, start : start + part.shape[0]], alone), (part.fmt, threads)
+            start += part.shape[0]

@@ -17,9 +17,10 @@ import pytest
 
 from kvlab.config import load_config
 from kvlab.errors import KvlabError
-from kvlab.memory import kv_bytes_per_token
+from kvlab.memory import kv_bytes_per_token, window_bytes_per_token
 from kvlab.parallel import shard_config
 from tiny import build_tiny
+from tiny_moe import MOE_ARCHS, build_tiny_moe
 
 pytestmark = pytest.mark.slow
 WORKER = Path(__file__).with_name("tp_worker.py")
@@ -33,9 +34,14 @@ def launch(directory: Path, world: int, out: Path, *extra: str, timeout: float =
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3", "qwen2_moe", "gpt_oss"])
 def runs(request, tmp_path_factory):
-    directory = build_tiny(request.param, tmp_path_factory.mktemp(request.param))
+    """Dense models, and mixtures of experts: Qwen2-MoE (a gated shared expert, a dense layer), gpt-oss
+    (expert biases, sinks, sliding layers): every expert split over the ranks, the router whole."""
+    if request.param in MOE_ARCHS:
+        directory = build_tiny_moe(request.param, tmp_path_factory.mktemp(request.param))
+    else:
+        directory = build_tiny(request.param, tmp_path_factory.mktemp(request.param))
     out = {}
     for world in (1, 2):
         path = directory / f"tp{world}.json"
@@ -61,7 +67,8 @@ def test_every_rank_holds_the_calculators_share_of_the_kv_cache(runs):
     _, directory, out = runs
     config = load_config(directory)
     for world in (1, 2):
-        expected = kv_bytes_per_token(shard_config(config, world), "float32")
+        local = shard_config(config, world)  # every layer's share (the pool holds sliding layers' blocks too)
+        expected = kv_bytes_per_token(local, "float32") + window_bytes_per_token(local, "float32")
         assert [r["kv_bytes_per_token"] for r in out[world]] == [expected] * world
     assert out[2][0]["kv_bytes_per_token"] * 2 == out[1][0]["kv_bytes_per_token"]
 

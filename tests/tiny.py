@@ -106,6 +106,26 @@ def add_tiny_tokenizer(directory: Path, vocab_size: int = 512) -> Path:
     return directory
 
 
+def add_gguf_tokenizer(w, hf_dir: Path, vocab_size: int, chat_template: str = CHATML) -> None:
+    """The folder's tokenizer.json as GGUF metadata (byte-level BPE), padded to `vocab_size` named rows
+    (llama.cpp wants a name per embedding row)."""
+    import json
+
+    tok = json.loads((hf_dir / "tokenizer.json").read_text())
+    vocab = sorted(tok["model"]["vocab"].items(), key=lambda kv: kv[1])
+    specials = {t["content"] for t in tok["added_tokens"]}
+    padding = [f"<pad{i}>" for i in range(vocab_size - len(vocab))]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("gpt-2")
+    w.add_token_list([t for t, _ in vocab] + padding)
+    w.add_token_types([3 if t in specials else 1 for t, _ in vocab] + [3] * len(padding))
+    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]])
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_add_bos_token(False)
+    w.add_chat_template(chat_template)
+
+
 def _permute_like_llama_cpp(w: "torch.Tensor", num_heads: int) -> "torch.Tensor":
     """llama.cpp's converter reorders llama q/k rows for its interleaved rotary layout."""
     rows = w.shape[0]
@@ -148,18 +168,7 @@ def build_tiny_gguf(hf_dir: Path, out: Path, quant="F32", mtp_blocks: int = 0) -
     if cfg.get("head_dim"):
         writer.add_key_length(cfg["head_dim"])
         writer.add_value_length(cfg["head_dim"])
-    tok = json.loads((hf_dir / "tokenizer.json").read_text())
-    vocab = sorted(tok["model"]["vocab"].items(), key=lambda kv: kv[1])
-    specials = {t["content"] for t in tok["added_tokens"]}
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("gpt-2")
-    writer.add_token_list([t for t, _ in vocab])
-    writer.add_token_types([3 if t in specials else 1 for t, _ in vocab])
-    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]])
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
-    writer.add_add_bos_token(False)
-    writer.add_chat_template(CHATML)
+    add_gguf_tokenizer(writer, hf_dir, cfg["vocab_size"])
 
     names = {
         "model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",

@@ -127,7 +127,7 @@ def build_tiny_moe_gguf(hf_dir: Path, out: Path, experts_type: str = "F32") -> P
 
     import gguf
     import numpy as np
-    from tiny import CHATML
+    from tiny import add_gguf_tokenizer
 
     cfg = json.loads((hf_dir / "config.json").read_text())
     arch = GGUF_ARCH[cfg["model_type"]]
@@ -157,19 +157,7 @@ def build_tiny_moe_gguf(hf_dir: Path, out: Path, experts_type: str = "F32") -> P
         w.add_expert_weights_norm(bool(cfg["norm_topk_prob"]))
     if arch == "gpt-oss":
         w.add_sliding_window(cfg["sliding_window"])
-    tok = json.loads((hf_dir / "tokenizer.json").read_text())
-    vocab = sorted(tok["model"]["vocab"].items(), key=lambda kv: kv[1])
-    specials = {t["content"] for t in tok["added_tokens"]}
-    padding = [f"<pad{i}>" for i in range(cfg["vocab_size"] - len(vocab))]  # llama.cpp wants a name per row
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("gpt-2")
-    w.add_token_list([t for t, _ in vocab] + padding)
-    w.add_token_types([3 if t in specials else 1 for t, _ in vocab] + [3] * len(padding))
-    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]])
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    w.add_add_bos_token(False)
-    w.add_chat_template(CHATML)
+    add_gguf_tokenizer(w, hf_dir, cfg["vocab_size"])
     for name, t in gguf_tensors(hf_dir).items():
         data = t.float().numpy()
         if name.endswith("_exps.weight") and experts_type != "F32":

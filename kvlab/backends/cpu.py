@@ -60,7 +60,7 @@ class CpuDecodeBackend:
         attns = [layer.attn for layer in model.layers]
         c = model.config
         self.geometry = (c.hidden_size, max(a.num_heads for a in attns), max(a.num_kv_heads for a in attns),
-                         max(a.head_dim for a in attns), max(layer.mlp.intermediate_size for layer in model.layers))  # fmt: skip
+                         max(a.head_dim for a in attns), max(getattr(layer.mlp, "inner", layer.mlp).intermediate_size for layer in model.layers))  # fmt: skip
 
     @classmethod
     def build(cls, model) -> CpuDecodeBackend | str:
@@ -226,12 +226,19 @@ def _describe(model, layer, keep: list, lib) -> LayerDesc | str:
     from kvlab.model.transformer import DecoderLayer, SandwichDecoderLayer
 
     attn, mlp, eps = layer.attn, layer.mlp, model.config.rms_norm_eps
+    if not hasattr(attn, "qkv_proj"):  # multi-head latent attention (kvlab.model.mla), ...
+        return f"its {type(attn).__name__} mixer is not one decode.c computes"
     if attn.attend is not sdpa_attention:
         return "the lab's materialized attention"
     if attn.clip_qkv is not None:
         return "q, k and v clamped (OLMoE's clip_qkv)"
+    if getattr(attn, "gate_proj", None) is not None:
+        return "a sigmoid output gate on its attention (Qwen3.5, Qwen3-Next)"
+    if model.config.rope.partial_rotary_factor != 1.0:
+        return f"partial rotary ({model.config.rope.partial_rotary_factor:g} of each head)"
     activations = activation_ids()
-    moe = isinstance(mlp, MoEBlock)
+    moe_reduce = getattr(mlp, "inner", None)  # a tensor-parallel shard's experts, summed over the ranks
+    moe = isinstance(mlp, MoEBlock) or isinstance(moe_reduce, MoEBlock)
     if not moe and (not isinstance(mlp, GatedMLP) or mlp.activation not in activations):
         return f"its MLP is {type(mlp).__name__} (the C step runs {', '.join(activations)} gated MLPs and experts)"
     if type(layer) is DecoderLayer:
@@ -244,17 +251,14 @@ def _describe(model, layer, keep: list, lib) -> LayerDesc | str:
     weights = [_norm_weight(n, eps, keep) if n is not None else None for n in norms]
     if any(isinstance(w, str) for w in weights):
         return next(w for w in weights if isinstance(w, str))
+    # the all-reduce after o_proj and after the MLP (down_proj, or the whole mixture of experts)
+    reduce = _row_parallel(attn.o_proj, mlp if moe else mlp.down_proj, model.config.hidden_size, keep)
+    if isinstance(reduce, str):
+        return reduce
     if moe:
-        from kvlab.parallel.layers import RowParallel
-
-        if isinstance(attn.o_proj, RowParallel):
-            return "a tensor-parallel mixture of experts"
-        reduce = None
         products = (attn.qkv_proj, attn.o_proj)
+        mlp = moe_reduce if moe_reduce is not None else mlp
     else:
-        reduce = _row_parallel(attn.o_proj, mlp.down_proj, model.config.hidden_size, keep)
-        if isinstance(reduce, str):
-            return reduce
         products = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
     parts = [describe_linear(getattr(m, "inner", m) if reduce else m) for m in products]  # a shard's own matrices
     experts = describe_moe(mlp) if moe else None

@@ -77,12 +77,13 @@ def _stacked(experts, name: str, in_features: int):
         return linear, strides
     ids = quant._format_ids()
     for i, fmt in enumerate(experts.formats[name]):
-        data = getattr(experts, f"{name}_{i}")  # uint8 [E, rows, row bytes]
+        data = getattr(experts, f"{name}_{i}")
         if not data.is_contiguous() or (fmt != "MXFP4" and fmt not in ids):
             return f"experts in {fmt} blocks the C products do not read"
         kind, fmt_id = (MXFP4_BLOCKS, 0) if fmt == "MXFP4" else (BLOCKS, ids[fmt])
-        linear.parts[i] = Part(kind, fmt_id, data.data_ptr(), data.shape[2], data.shape[1])
+        rows = experts.part_shape(name, i)[0]  # data [E, rows, row bytes], or [E, items of 16 rows, item bytes]
+        linear.parts[i] = Part(kind, fmt_id, data.data_ptr(), data.shape[2], rows)
         strides[i] = data.stride(0)
-        linear.out_features += data.shape[1]
+        linear.out_features += rows
     linear.num_parts = len(experts.formats[name])
     return linear, strides

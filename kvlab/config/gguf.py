@@ -47,6 +47,9 @@ def config_from_gguf(gguf: GGUFFile, *, name: str | None = None) -> ModelConfig:
     n -= num_mtp
     recurrent = {int(t.split(".")[1]) for t in tensors if t.startswith("blk.") and ".ssm_" in t}
     rope = rope_from_gguf(gguf.metadata, arch)
+    if arch in GATED_DELTANET_ARCHS:  # partial rotary: rope.dimension_count of each head's key_length channels
+        rotated, key = meta.int(f"{arch}.rope.dimension_count", required=False), meta.int(f"{arch}.attention.key_length")
+        rope = dataclasses.replace(rope, partial_rotary_factor=rotated / key if rotated else 1.0)
     layers = tuple(_layer(meta, arch, i, i in recurrent, tensors) for i in range(n))
     mtp_layers = tuple(dataclasses.replace(_layer(meta, arch, i, False, tensors), mtp=True)
                        for i in range(n, n + num_mtp))  # fmt: skip
@@ -160,7 +163,7 @@ def _attention(meta: _Meta, arch: str, i: int, heads: int, kv_heads: int, has, t
         value = (meta.int(f"{arch}.attention.value_length_mla", required=False)
                  or meta.int(f"{arch}.attention.value_length"))
         return MLA(num_heads=heads, kv_lora_rank=rank, qk_rope_head_dim=rope, qk_nope_head_dim=key - rope,
-                   v_head_dim=value, q_lora_rank=meta.int(f"{arch}.attention.q_lora_rank", required=False))
+                   v_head_dim=value, q_lora_rank=meta.int(f"{arch}.attention.q_lora_rank", required=False) or None)
     hidden = meta.int(f"{arch}.embedding_length")
     key = meta.int(f"{arch}.attention.key_length", required=False) or hidden // heads
     value = meta.int(f"{arch}.attention.value_length", required=False) or key
@@ -168,7 +171,8 @@ def _attention(meta: _Meta, arch: str, i: int, heads: int, kv_heads: int, has, t
     return Attention(num_heads=heads, kv_heads=kv_heads, head_dim=key, v_head_dim=value,
                      window=_window(meta, arch, i), qkv_bias=has("attn_q.bias"), o_bias=has("attn_output.bias"),
                      qk_norm=q_norm is not None, qk_norm_whole=q_norm is not None and q_norm.shape[0] != key,
-                     sinks=has("attn_sinks.weight"), scale=_attention_scale(meta, arch, heads, key))  # fmt: skip
+                     sinks=has("attn_sinks.weight"), scale=_attention_scale(meta, arch, heads, key),
+                     output_gate=arch in GATED_DELTANET_ARCHS)  # Qwen3.5 / Qwen3-Next: attn_q holds a gate per head  # fmt: skip
 
 
 def _window(meta: _Meta, arch: str, i: int) -> int | None:
@@ -232,7 +236,16 @@ def _moe(meta: _Meta, arch: str, i: int, experts: int, has, tensors: dict) -> Mo
         activation="clamped_swiglu" if gpt_oss else "silu",
         swiglu_limit=7.0 if gpt_oss else None,  # llama.cpp's gpt-oss graph: limit 7, alpha 1.702
         swiglu_alpha=1.702 if gpt_oss else None,
+        num_groups=meta.int(f"{arch}.expert_group_count", required=False) or 1,  # DeepSeek-V3's n_group
+        top_k_groups=meta.int(f"{arch}.expert_group_used_count", required=False) or 1,
+        routed_scaling_factor=_positive(meta.value(f"{arch}.expert_weights_scale"), 1.0),
     )
+
+
+def _positive(value, default: float) -> float:
+    """A positive number from the metadata, else `default` (llama.cpp writes 0 or nothing for "unset")."""
+    number_like = isinstance(value, (int, float)) and not isinstance(value, bool)
+    return float(value) if number_like and value > 0 else default
 
 
 def _file_weights(gguf: GGUFFile, meta: _Meta, arch: str) -> FileWeights:

@@ -44,6 +44,7 @@ QK_NORM_TYPES = {"qwen3", "qwen3_moe", "qwen3_next", "qwen3_5_text", "qwen3_5_mo
 QK_NORM_WHOLE_TYPES = {"olmoe"}  # q/k norms over the whole projections, not per head (OLMo 2's too: not run yet)
 QKV_BIAS_TYPES = {"qwen2", "qwen2_moe"}  # q, k, v always carry a bias; o does not
 GEMMA_TYPES = {"gemma", "gemma2", "gemma3_text"}  # scaled embeddings, RMSNorm as x̂ · (1 + w)
+QWEN_HYBRID_TYPES = {"qwen3_next", "qwen3_5_text", "qwen3_5_moe_text"}  # RMSNorm as x̂ · (1 + w); gated attention
 SLIDING_ONLY_WITH_FLAG = {"qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "qwen3_next", "smollm3"}
 _LAYER_TYPE_NAMES = {
     "full_attention": "full", "attention": "full", "global": "full",
@@ -92,7 +93,7 @@ def config_from_hf(raw: dict, *, name: str, source: str) -> ModelConfig:
         rms_norm_eps=_float(cfg, "rms_norm_eps", 1e-6, source),
         rope=rope,
         embedding_scale=hidden**0.5 if model_type in GEMMA_TYPES else None,
-        norm_offset=1.0 if model_type in GEMMA_TYPES else None,
+        norm_offset=1.0 if model_type in GEMMA_TYPES | QWEN_HYBRID_TYPES else None,
         final_logit_softcap=_optional_float(cfg, "final_logit_softcapping", source),
         dtype=_dtype(cfg, notes),
         mtp_layers=_mtp_layers(cfg, r, layers),
@@ -241,6 +242,7 @@ def _mixer(kind: str, cfg: dict, r: _Reader, model_type: str, notes: list[str], 
             qk_nope_head_dim=r.int("qk_nope_head_dim"),
             v_head_dim=r.int("v_head_dim"),
             q_lora_rank=r.int("q_lora_rank", required=False),
+            rope_interleaved=bool(cfg.get("rope_interleave", True)),
         )
     kv_heads = r.int("num_key_value_heads", "n_head_kv", required=r.unknown_type is not None)
     if kv_heads is None:
@@ -266,7 +268,7 @@ def _mixer(kind: str, cfg: dict, r: _Reader, model_type: str, notes: list[str], 
         qk_norm=model_type in QK_NORM_TYPES,
         qk_norm_whole=model_type in QK_NORM_WHOLE_TYPES,
         clip_qkv=_optional_float(cfg, "clip_qkv", r.source),
-        output_gate=bool(cfg.get("attn_output_gate", model_type == "qwen3_next")),
+        output_gate=bool(cfg.get("attn_output_gate", model_type in QWEN_HYBRID_TYPES)),
         sinks=model_type == "gpt_oss",
         rope=_layer_rope(kind, cfg, rope),
         scale=_attention_scale(cfg, r, model_type, head_dim),
@@ -324,6 +326,9 @@ def _mlp(i: int, kind: str, cfg: dict, r: _Reader, model_type: str) -> DenseMLP 
             activation="clamped_swiglu" if gpt_oss else str(cfg.get("hidden_act") or "silu"),
             swiglu_limit=_float(cfg, "swiglu_limit", 7.0, r.source) if gpt_oss else None,
             swiglu_alpha=_float(cfg, "swiglu_alpha", 1.702, r.source) if gpt_oss else None,
+            num_groups=r.int("n_group", required=False) or 1,
+            top_k_groups=r.int("topk_group", required=False) or 1,
+            routed_scaling_factor=_float(cfg, "routed_scaling_factor", 1.0, r.source),
         )
     return DenseMLP(r.int("intermediate_size", "n_inner", "ffn_dim"), bias=bool(cfg.get("mlp_bias")),
                     activation=str(cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu"))
@@ -332,7 +337,7 @@ def _mlp(i: int, kind: str, cfg: dict, r: _Reader, model_type: str) -> DenseMLP 
 def _routing(cfg: dict, model_type: str) -> str:
     """How the router turns logits into expert weights: Qwen's and OLMoE's softmax then top-k, or a scoring
     function the config names (DeepSeek-V3's "sigmoid"), kept so the registry can name what it refuses."""
-    scoring = cfg.get("scoring_func")
+    scoring = cfg.get("scoring_func", "sigmoid" if model_type == "deepseek_v3" else None)  # transformers 5 omits it
     return f"{scoring}_topk" if isinstance(scoring, str) and scoring != "softmax" else "softmax_topk"
 
 

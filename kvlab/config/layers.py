@@ -52,6 +52,7 @@ class MLA:
     qk_nope_head_dim: int  # per-head key part rebuilt from the latent
     v_head_dim: int  # per-head value rebuilt from the latent
     q_lora_rank: int | None = None  # None: queries projected straight from the hidden state
+    rope_interleaved: bool = True  # the rotary channels pair as (0, 1), (2, 3), ... (DeepSeek's rope_interleave)
 
 
 @dataclass(frozen=True)
@@ -97,7 +98,7 @@ class DenseMLP:
     activation: str = "silu"  # of the gate (gated) or of up (plain): silu, gelu_pytorch_tanh, relu2, ...
 
 
-ROUTINGS = ("softmax_topk", "topk_softmax")  # MoE.routing: the order of the router's softmax and top-k
+ROUTINGS = ("softmax_topk", "topk_softmax", "sigmoid_topk")  # MoE.routing: the router's scores and top-k
 EXPERT_ACTIVATIONS = ("silu", "clamped_swiglu")  # MoE.activation of the routed experts
 
 
@@ -107,6 +108,9 @@ class MoE:
 
     Routing: "softmax_topk" (Qwen, OLMoE) takes the top-k of softmax(router logits), renormalised to sum
     to 1 when `norm_topk_prob`; "topk_softmax" (gpt-oss) softmaxes the top-k logits themselves.
+    "sigmoid_topk" (DeepSeek-V3) chooses by sigmoid(logits) + the correction bias (`score_bias`), within the
+    `top_k_groups` of `num_groups` expert groups whose two best scores sum highest, weighs by the sigmoids
+    (renormalised when `norm_topk_prob`), times `routed_scaling_factor`.
     Experts: "silu" is down(silu(gate) · up); "clamped_swiglu" (gpt-oss) clamps gate ≤ limit and
     |up| ≤ limit, then down((up + 1) · gate · sigmoid(alpha · gate)).
     """
@@ -125,6 +129,9 @@ class MoE:
     activation: str = "silu"  # see EXPERT_ACTIVATIONS
     swiglu_limit: float | None = None  # clamped_swiglu's clamp
     swiglu_alpha: float | None = None  # clamped_swiglu's sigmoid slope
+    num_groups: int = 1  # sigmoid_topk: experts split into this many groups (DeepSeek's n_group)
+    top_k_groups: int = 1  # ... of which the top_k are chosen within this many (topk_group)
+    routed_scaling_factor: float = 1.0  # the routed experts' weights times this (DeepSeek-V3: 2.5)
 
 
 @dataclass(frozen=True)

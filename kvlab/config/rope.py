@@ -30,6 +30,7 @@ class RopeConfig:
     mscale: float | None = None  # yarn (DeepSeek style)
     mscale_all_dim: float | None = None
     truncate: bool = True  # yarn
+    partial_rotary_factor: float = 1.0  # share of each head's channels rotated (Qwen3.5, Qwen3-Next: 0.25)
 
 
 def rope_from_hf(cfg: dict[str, Any], source: str = "config.json") -> RopeConfig:
@@ -63,7 +64,17 @@ def rope_from_hf(cfg: dict[str, Any], source: str = "config.json") -> RopeConfig
         mscale=params.get("mscale"),
         mscale_all_dim=params.get("mscale_all_dim"),
         truncate=bool(params.get("truncate", True)),
+        partial_rotary_factor=_partial_factor(params.get("partial_rotary_factor", cfg.get("partial_rotary_factor")),
+                                              source),
     )
+
+
+def _partial_factor(value: Any, source: str) -> float:
+    if value is None:
+        return 1.0
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+        raise KvlabError(f"{source}: 'partial_rotary_factor' must be a number in (0, 1], got {value!r}")
+    return float(value)
 
 
 def rope_from_gguf(meta: dict[str, Any], arch: str) -> RopeConfig:
@@ -74,11 +85,18 @@ def rope_from_gguf(meta: dict[str, Any], arch: str) -> RopeConfig:
         return RopeConfig(theta=theta)
     if scaling not in ("linear", "yarn"):
         raise KvlabError(f"unsupported GGUF rope scaling '{scaling}': kvlab knows linear and yarn")
+    # DeepSeek's YaRN (llama.cpp's deepseek2): yarn_log_multiplier = 0.1 · mscale_all_dim, the softmax scale's
+    # correction (kvlab.model.mla); llama.cpp's cos/sin factor nets to 1 there (transformers: mscale = mscale_all_dim)
+    log_mul = meta.get(f"{arch}.rope.scaling.yarn_log_multiplier")
+    log_mul = log_mul if isinstance(log_mul, (int, float)) and not isinstance(log_mul, bool) and log_mul > 0 else None
+    deepseek = arch == "deepseek2"
     return RopeConfig(
         theta=theta,
         type=scaling,
         factor=float(meta.get(f"{arch}.rope.scaling.factor", 1.0)),
         original_max_position_embeddings=meta.get(f"{arch}.rope.scaling.original_context_length"),
+        attention_factor=1.0 if deepseek else None,
+        mscale_all_dim=log_mul / 0.1 if deepseek and log_mul else None,
     )
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from kvlab.config.layers import MLA, Attention, DenseMLP, GatedDeltaNet, Mamba2
+from kvlab.config.layers import MLA, Attention, DenseMLP, GatedDeltaNet, Mamba2, MoE
 from kvlab.config.model import ModelConfig
 from kvlab.errors import KvlabError
 
@@ -54,6 +54,10 @@ def shard_config(config: ModelConfig, world: int) -> ModelConfig:
             if m.intermediate_size % world:
                 raise KvlabError(f"{name}: an MLP of {m.intermediate_size} cannot be split over {world} ranks")
             return dataclasses.replace(m, intermediate_size=m.intermediate_size // world)
+        if isinstance(m, MoE):  # every expert (and the shared one) split like an MLP; the router whole
+            if m.expert_size % world or m.shared_size % world:
+                raise KvlabError(f"{name}: experts of {m.expert_size} channels cannot be split over {world} ranks")
+            return dataclasses.replace(m, expert_size=m.expert_size // world, shared_size=m.shared_size // world)
         return m
 
     layers = tuple(dataclasses.replace(layer, mixer=mixer(layer.mixer), mlp=mlp(layer.mlp)) for layer in config.layers)

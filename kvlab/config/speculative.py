@@ -6,7 +6,8 @@
 `method`: "ngram" (prompt lookup: the tokens that followed the longest earlier match of the sequence's
 last n tokens, prompt_lookup_min ≤ n ≤ prompt_lookup_max), "draft_model" (a smaller model with the
 same tokenizer; `model` names it; "draft_model" is implied when only `model` is given), or "mtp" (a
-model's own multi-token-prediction heads: detected, not run — refused with the reason). No torch here.
+model's own multi-token-prediction module: Qwen3.5's and Qwen3-Next's `mtp.*`, spec_decode/mtp_proposer.py;
+others refused with the reason). No torch here.
 """
 
 from __future__ import annotations

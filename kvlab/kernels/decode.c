@@ -137,6 +137,7 @@ int kvlab_decode_layer(const Layer* L, const Step* S, float* x, int threads) {
     if (L->moe) {  // a mixture of experts (moe.c): its output [B, E] first in the step's MoE scratch
         float* out = S->moe_scratch;
         kvlab_moe(L->moe, normed, out, B, E, out + B * E, threads);
+        if (reduce(L->reduce, out, B * E)) return -1;  // a shard's experts: their sum over the ranks
         add_residual(x, out, L->mlp_out_norm, B, E, L->eps);
         return 0;
     }

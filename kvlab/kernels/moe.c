@@ -13,15 +13,18 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "pool.h"
 #include "step.h"
 
 // Floats of scratch kvlab_moe needs beyond `out` (the caller's [B, hidden] output goes first):
-// logits [B, E], chosen weights [B, k] and ids [B, k] (as int32), the grouped order [B·k] (int32),
-// gathered rows [B, hidden], gate/up [B, 2·max(I, I_shared)], activations [B, max(I, I_shared)],
-// expert outputs [B, hidden], the shared gate [B].
+// logits [B, E], chosen weights [B, k] and ids [B, k] (as int32), the grouped order [B·k] (int32), the
+// chosen experts and where their rows start [B·k + 1] (int32 each), and for every (row, slot) pair its
+// gathered row [hidden], gate/up [2·max(I, I_shared)], activation [max(I, I_shared)] and output [hidden],
+// the shared gate [B].
 int64_t kvlab_moe_scratch_floats(const Moe* m, int64_t batch, int64_t hidden) {
     const int64_t width = m->expert_size > m->shared_size ? m->expert_size : m->shared_size;
-    return batch * (hidden + m->num_experts + 3 * m->top_k + 2 * hidden + 3 * width + 1);
+    const int64_t pairs = batch * m->top_k;
+    return batch * (hidden + m->num_experts + 1) + 3 * pairs + 2 * (pairs + 1) + pairs * (2 * hidden + 3 * width);
 }
 
 // Row b's experts and weights from its logits, as kvlab/model/moe.py's `route` chooses them
@@ -84,38 +87,68 @@ static void activate(const Moe* m, const float* gate_up, float* act, int64_t n, 
     }
 }
 
+// The chosen experts of a step, each with its rows: expert[j]'s (row, slot) pairs are order[start[j] ..
+// start[j + 1]), and its working rows sit at the same offsets of rows / gate_up / act / y.
+typedef struct {
+    const Moe* m;
+    const float* x;  // [B, hidden]
+    int64_t hidden, width;
+    const int32_t *order, *expert, *start;
+    float *rows, *gate_up, *act, *y;
+} Chosen;
+
+// Experts [begin, end) of the chosen, each on this thread alone: gather its rows, gate/up, activation,
+// down. An expert's numbers do not depend on the thread or on the other experts (the products' rows
+// never do), so the step's result is the same on any number of threads and for any batch.
+static void expert_items(void* ctx, uint32_t begin, uint32_t end) {
+    const Chosen* c = ctx;
+    const Moe* m = c->m;
+    const int64_t H = c->hidden, I = m->expert_size, k = m->top_k;
+    for (uint32_t j = begin; j < end; j++) {
+        const int64_t s = c->start[j], n = c->start[j + 1] - s;
+        float *rows = c->rows + s * H, *gate_up = c->gate_up + s * 2 * c->width, *act = c->act + s * c->width;
+        for (int64_t r = 0; r < n; r++) memcpy(rows + r * H, c->x + (c->order[s + r] / k) * H, H * sizeof(float));
+        const Linear gu = expert_linear(&m->gate_up, m->gate_up_stride, m->gate_up_bias, c->expert[j]);
+        const Linear dn = expert_linear(&m->down, m->down_stride, m->down_bias, c->expert[j]);
+        kvlab_decode_linear(&gu, rows, gate_up, n, 2 * I, 1);
+        activate(m, gate_up, act, n, I, m->activation);
+        kvlab_decode_linear(&dn, act, c->y + s * H, n, H, 1);
+    }
+}
+
 void kvlab_moe(const Moe* m, const float* x, float* out, int64_t B, int64_t hidden, float* scratch, int threads) {
-    const int64_t E = m->num_experts, k = m->top_k, I = m->expert_size;
+    const int64_t E = m->num_experts, k = m->top_k, I = m->expert_size, pairs = B * m->top_k;
     const int64_t width = I > m->shared_size ? I : m->shared_size;
     float* logits = scratch;
     float* weights = logits + B * E;
-    int32_t* ids = (int32_t*)(weights + B * k);
-    int32_t* order = ids + B * k;
-    float* rows = (float*)(order + B * k);
-    float* gate_up = rows + B * hidden;
-    float* act = gate_up + B * 2 * width;
-    float* y = act + B * width;
-    float* gate = y + B * hidden;
+    int32_t* ids = (int32_t*)(weights + pairs);
+    int32_t* order = ids + pairs;
+    int32_t* expert = order + pairs;
+    int32_t* start = expert + pairs + 1;
+    float* rows = (float*)(start + pairs + 1);
+    float* gate_up = rows + pairs * hidden;
+    float* act = gate_up + pairs * 2 * width;
+    float* y = act + pairs * width;
+    float* gate = y + pairs * hidden;
 
     kvlab_decode_linear(&m->router, x, logits, B, E, threads);
     for (int64_t b = 0; b < B; b++) route(m, logits + b * E, weights + b * k, ids + b * k);
-    memset(out, 0, B * hidden * sizeof(float));
+    int64_t n = 0, chosen = 0;  // the (row, slot) pairs grouped by expert, ascending, each in row order
     for (int64_t e = 0; e < E; e++) {
-        int64_t n = 0;  // the (row, slot) pairs that chose e, in row order
-        for (int64_t i = 0; i < B * k; i++)
+        const int64_t first = n;
+        for (int64_t i = 0; i < pairs; i++)
             if (ids[i] == e) order[n++] = (int32_t)i;
-        if (!n) continue;  // never read
-        for (int64_t j = 0; j < n; j++) memcpy(rows + j * hidden, x + (order[j] / k) * hidden, hidden * sizeof(float));
-        const Linear gu = expert_linear(&m->gate_up, m->gate_up_stride, m->gate_up_bias, e);
-        const Linear dn = expert_linear(&m->down, m->down_stride, m->down_bias, e);
-        kvlab_decode_linear(&gu, rows, gate_up, n, 2 * I, threads);
-        activate(m, gate_up, act, n, I, m->activation);
-        kvlab_decode_linear(&dn, act, y, n, hidden, threads);
-        for (int64_t j = 0; j < n; j++) {
-            float* o = out + (order[j] / k) * hidden;
-            const float w = weights[order[j]];
-            for (int64_t c = 0; c < hidden; c++) o[c] += y[j * hidden + c] * w;
-        }
+        if (n > first) expert[chosen] = (int32_t)e, start[chosen++] = (int32_t)first;  // an unchosen one: never read
+    }
+    start[chosen] = (int32_t)n;
+    // one job for the step: each thread takes whole experts (no barrier between an expert's products)
+    Chosen c = {m, x, hidden, width, order, expert, start, rows, gate_up, act, y};
+    kvlab_pool_run(expert_items, &c, (uint32_t)chosen, 1, threads);
+    memset(out, 0, B * hidden * sizeof(float));
+    for (int64_t j = 0; j < n; j++) {  // added expert by expert in ascending order, as the modules' index_add
+        float* o = out + (order[j] / k) * hidden;
+        const float w = weights[order[j]];
+        for (int64_t col = 0; col < hidden; col++) o[col] += y[j * hidden + col] * w;
     }
     if (!m->shared_size) return;
     const int64_t Is = m->shared_size;

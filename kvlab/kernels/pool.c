@@ -203,6 +203,22 @@ void kvlab_pool_run(PoolTask task, void* ctx, uint32_t num_items, uint32_t chunk
     atomic_flag_clear_explicit(&busy, memory_order_release);
 }
 
+// Items [begin, end) of the whole, each range handed to the job it belongs to
+static void job_items(void* ctx, uint32_t begin, uint32_t end) {
+    const PoolJobs* jobs = ctx;
+    for (int j = 0; j < jobs->num && begin < end; j++) {
+        const uint32_t lo = jobs->first[j], hi = jobs->first[j + 1];
+        if (begin >= hi) continue;
+        const uint32_t stop = end < hi ? end : hi;
+        jobs->task[j](jobs->ctx[j], begin - lo, stop - lo);
+        begin = stop;
+    }
+}
+
+void kvlab_pool_run_jobs(PoolJobs* jobs, uint32_t chunk, int threads) {
+    kvlab_pool_run(job_items, jobs, jobs->first[jobs->num], chunk, threads);
+}
+
 // A fresh pool, at load and in a forked child. The child's only thread is the one that called fork:
 // whatever the parent's threads held or were doing (a job, the lock, a wait) has no thread left.
 static void reset_pool(void) {

@@ -20,4 +20,16 @@ typedef void (*PoolTask)(void* ctx, uint32_t begin, uint32_t end);
 // item is done. ctx must stay valid until then. Safe to call from several threads at once, and after fork.
 KVLAB_HIDDEN void kvlab_pool_run(PoolTask task, void* ctx, uint32_t num_items, uint32_t chunk, int threads);
 
+// Several jobs as one (the parts of a fused matrix: q, k and v; gate and up): job j's items are items
+// first[j] .. first[j + 1] − 1 of the whole, so that one dispatch, not one per part, computes them all.
+#define KVLAB_MAX_JOBS 8
+typedef struct {
+    int num;
+    PoolTask task[KVLAB_MAX_JOBS];
+    void* ctx[KVLAB_MAX_JOBS];
+    uint32_t first[KVLAB_MAX_JOBS + 1];  // first[num]: the total
+} PoolJobs;
+
+KVLAB_HIDDEN void kvlab_pool_run_jobs(PoolJobs* jobs, uint32_t chunk, int threads);
+
 #endif

@@ -808,6 +808,56 @@ int kvlab_quant_matmul(int fmt, const uint8_t* w, int64_t ldw, const float* x, f
     return 0;
 }
 
+// The parts of a fused matrix (q, k and v; gate and up) over the same x, as one job for the pool: one
+// dispatch where a call per part makes one each (a decode step's small matrices spend as long in a
+// dispatch as in their products). Part j (format fmt[j], out[j] rows at w[j], ldw[j] bytes a row)
+// writes its columns of y after the parts before it; the numbers are kvlab_quant_matmul's, part by
+// part. Parts in different families (interleaved and not) or rows past one pass go part by part.
+int kvlab_quant_matmul_parts(int num, const int* fmt, const uint8_t* const* w, const int64_t* ldw, const int64_t* out,
+                             const float* x, float* y, int64_t m, int64_t n, int64_t ldy, int threads) {
+    int interleaved = 0;
+    for (int j = 0; j < num; j++) {
+        if (fmt[j] < 0 || fmt[j] >= NUM_FORMATS || n % FORMATS[fmt[j]].values || out[j] / ROWS >= UINT32_MAX) return -1;
+        interleaved += fmt[j] >= INTERLEAVED;
+    }
+    if (num > 1 && num <= KVLAB_MAX_JOBS && m <= MAX_M && interleaved == num) {
+        int source[KVLAB_MAX_JOBS];
+        for (int j = 0; j < num; j++) source[j] = fmt[j] - INTERLEAVED + Q8_0;
+        return kvlab_i8_matmul_parts(num, source, w, out, x, y, m, n, ldy, threads);
+    }
+    if (num == 1 || num > KVLAB_MAX_JOBS || m > MAX_M || interleaved) {
+        int64_t column = 0;
+        for (int j = 0; j < num; j++) {
+            const int status = kvlab_quant_matmul(fmt[j], w[j], ldw[j], x, y + column, m, n, ldy, out[j], threads);
+            if (status) return status;
+            column += out[j];
+        }
+        return 0;
+    }
+    Product p[KVLAB_MAX_JOBS];
+    PoolJobs jobs = {.num = num};
+    float* xt = NULL;  // x in lane order, made once for the parts whose decoders want it
+    int64_t column = 0;
+    for (int j = 0; j < num; j++) {
+        PoolTask task = block_items(fmt[j]);
+        const float* xj = x;
+        if (task && in_lane_order(fmt[j])) {
+            if (!xt) {
+                if (!(xt = aligned_alloc(64, (m * n * sizeof(float) + 63) / 64 * 64))) return -2;
+                to_lane_order(x, xt, m * n);
+            }
+            xj = xt;
+        }
+        p[j] = (Product){fmt[j], w[j], ldw[j], xj, y + column, m, n, ldy, out[j]};
+        jobs.task[j] = task ? task : buffered_items, jobs.ctx[j] = &p[j];
+        jobs.first[j + 1] = jobs.first[j] + (uint32_t)((out[j] + ROWS - 1) / ROWS);
+        column += out[j];
+    }
+    kvlab_pool_run_jobs(&jobs, CHUNK, threads);
+    free(xt);
+    return 0;
+}
+
 // ---- dequantize: the blocks as float32 [rows, n] (row stride ldy), for prompt-sized products ----
 
 typedef struct {

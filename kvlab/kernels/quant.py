@@ -90,6 +90,10 @@ def packed_linear(x: torch.Tensor, parts, out_features: int, threads: int | None
     if sum(p.shape[0] for p in parts) != out_features:
         raise ValueError(f"packed_linear: parts of {[p.shape[0] for p in parts]} rows do not make {out_features}")
     y = torch.empty(rows, out_features)
+    if len(parts) > 1 and rows:  # a fused matrix's parts as one dispatch of the pool
+        _matmul_parts(lib, [ids[p.fmt] for p in parts], [_checked_blocks(p, in_features) for p in parts], parts,
+                      x, y, threads)  # fmt: skip
+        return y
     column = 0
     for part in parts:
         data = _checked_blocks(part, in_features)
@@ -101,6 +105,19 @@ def packed_linear(x: torch.Tensor, parts, out_features: int, threads: int | None
                 raise ValueError(f"packed_linear: the C kernel refused a {part.fmt} matrix {list(part.shape)}")
         column += part.shape[0]
     return y
+
+
+def _matmul_parts(lib, fmts: list[int], data: list[torch.Tensor], parts, x: torch.Tensor, y: torch.Tensor,
+                  threads: int) -> None:
+    """y [rows, Σ part rows] ← x · the parts stacked (kvlab_quant_matmul_parts: one pool job for all)."""
+    n = len(parts)
+    status = lib["matmul_parts"](n, (ctypes.c_int * n)(*fmts), (ctypes.c_void_p * n)(*[d.data_ptr() for d in data]),
+                                 (ctypes.c_int64 * n)(*[d.stride(0) for d in data]),
+                                 (ctypes.c_int64 * n)(*[p.shape[0] for p in parts]), x.data_ptr(), y.data_ptr(),
+                                 x.shape[0], x.shape[1], y.shape[1], threads)  # fmt: skip
+    if status != 0:
+        raise ValueError(f"packed_linear: the C kernel refused {[p.fmt for p in parts]} matrices of "
+                         f"{[list(p.shape) for p in parts]}")  # fmt: skip
 
 
 def dequantize(part, threads: int | None = None) -> torch.Tensor:

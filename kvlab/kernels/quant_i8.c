@@ -374,3 +374,41 @@ int kvlab_i8_matmul(int fmt, const uint8_t* w, const float* x, float* y, int64_t
     free(xq);
     return 0;
 }
+
+// The parts of a fused matrix (q, k and v; gate and up) over the same x as one pool job: part j
+// (format fmt[j], out[j] rows at w[j]) writes the columns after the parts before it. x is quantized
+// once for all the parts that quantize it alike (the same sub-block size and code offset). Returns as
+// kvlab_i8_matmul.
+int kvlab_i8_matmul_parts(int num, const int* fmt, const uint8_t* const* w, const int64_t* out, const float* x,
+                          float* y, int64_t m, int64_t n, int64_t ldy, int threads) {
+    Layout l[KVLAB_MAX_JOBS];
+    XBlock* xq[KVLAB_MAX_JOBS] = {0};
+    Product p[KVLAB_MAX_JOBS];
+    PoolJobs jobs = {.num = num};
+    int status = 0;
+    if (num > KVLAB_MAX_JOBS) return -1;
+    for (int j = 0; j < num; j++)
+        if (layout(fmt[j], &l[j]) || n % l[j].S || (out[j] + LANES - 1) / LANES >= UINT32_MAX) return -1;
+    int64_t column = 0;
+    for (int j = 0; j < num; j++) {
+        const int64_t groups = n / l[j].S;
+        const XBlock* shared = NULL;
+        for (int i = 0; i < j && !shared; i++)
+            if (l[i].S == l[j].S && l[i].off == l[j].off) shared = p[i].xq;
+        if (!shared) {
+            if (!(xq[j] = aligned_alloc(64, m * groups * sizeof(XBlock)))) {
+                status = -2;
+                break;
+            }
+            quantize_rows(x, m, n, &l[j], xq[j]);
+            shared = xq[j];
+        }
+        p[j] = (Product){l[j], w[j], shared, y + column, m, groups, ldy, out[j]};
+        jobs.task[j] = items, jobs.ctx[j] = &p[j];
+        jobs.first[j + 1] = jobs.first[j] + (uint32_t)((out[j] + LANES - 1) / LANES);
+        column += out[j];
+    }
+    if (!status) kvlab_pool_run_jobs(&jobs, CHUNK, threads);
+    for (int j = 0; j < num; j++) free(xq[j]);
+    return status;
+}

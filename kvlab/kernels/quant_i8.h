@@ -10,3 +10,5 @@ int kvlab_i8_repack(int fmt, const uint8_t* w, int64_t ldw, int64_t rows, int64_
                     int block_bytes, uint8_t* out);
 int kvlab_i8_matmul(int fmt, const uint8_t* w, const float* x, float* y, int64_t m, int64_t n, int64_t ldy,
                     int64_t out, int threads);
+int kvlab_i8_matmul_parts(int num, const int* fmt, const uint8_t* const* w, const int64_t* out, const float* x,
+                          float* y, int64_t m, int64_t n, int64_t ldy, int threads);

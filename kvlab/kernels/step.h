@@ -21,6 +21,8 @@ int kvlab_shm_allreduce(uint8_t* segment, int rank, int world, int64_t capacity,
                         double timeout_s);
 int kvlab_quant_matmul(int fmt, const uint8_t* w, int64_t ldw, const float* x, float* y, int64_t m, int64_t n,
                        int64_t ldy, int64_t out, int threads);
+int kvlab_quant_matmul_parts(int num, const int* fmt, const uint8_t* const* w, const int64_t* ldw, const int64_t* out,
+                             const float* x, float* y, int64_t m, int64_t n, int64_t ldy, int threads);
 int kvlab_mxfp4_matmul(const uint8_t* w, int64_t ldw, const float* x, int64_t ldx, float* y, int64_t ldy,
                        int64_t rows_x, int64_t out_features, int64_t in_features, int threads);
 void kvlab_rms_norm_f32(const float* x, const float* w, float* y, int64_t rows, int64_t n, float eps);

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvlab.config.layers import MLA
 from kvlab.kv.formats import KVFormat, KVFormats
 
 
@@ -95,16 +96,30 @@ def build_metadata(
     return meta
 
 
+def kv_geometry(config) -> tuple[int, int, int]:
+    """(KV heads, K width, V width) every layer stores per token: softmax attention's K and V per KV head, or
+    multi-head latent attention's latent as one "K" head of kv_lora_rank + qk_rope_head_dim numbers and no V
+    (its attention reads the first kv_lora_rank numbers of that head as the values: kvlab.model.mla)."""
+    latent = next((layer.mixer for layer in config.layers if isinstance(layer.mixer, MLA)), None)
+    if latent is not None:
+        return 1, latent.kv_lora_rank + latent.qk_rope_head_dim, 0
+    return config.num_kv_heads, config.head_dim, config.attention.v_head_dim
+
+
 def kv_bytes_per_token(config, dtype: torch.dtype, formats: KVFormats | None = None) -> int:
     """K and V of every layer for one token: layers × kv heads × (a K vector's bytes + a V vector's), each
-    vector of head_dim numbers stored in its format (plain `dtype` by default: 2 × ... × size)."""
+    vector stored in its format (plain `dtype` by default: 2 × ... × size; MLA: the latent as K, no V)."""
     formats = formats or KVFormats.plain(dtype)
-    D = config.head_dim
-    return config.num_layers * config.num_kv_heads * (formats.k.bytes_per_vector(D) + formats.v.bytes_per_vector(D))
+    heads, k_dim, v_dim = kv_geometry(config)
+    v_bytes = formats.v.bytes_per_vector(v_dim) if v_dim else 0
+    return config.num_layers * heads * (formats.k.bytes_per_vector(k_dim) + v_bytes)
 
 
 def allocate(fmt: KVFormat, leading: tuple[int, ...], head_dim: int, device, fill_zeros: bool) -> list[torch.Tensor]:
-    """The storage tensors of `fmt` for vectors laid out as `leading` [..., head_dim]."""
+    """The storage tensors of `fmt` for vectors laid out as `leading` [..., head_dim] (none when head_dim is 0:
+    MLA's absent V)."""
+    if head_dim == 0:
+        return []
     make = torch.zeros if fill_zeros else torch.empty
     return [make((*leading, *trailing), dtype=dtype, device=device) for trailing, dtype in fmt.storage(head_dim)]
 
@@ -119,6 +134,7 @@ class KVCache(ABC):
 
     num_layers: int
     windows: tuple[int | None, ...] = ()  # each layer's sliding window (empty: none has one)
+    states = None  # a hybrid model's StatePool (kv/state_pool.py): its recurrent layers' per-sequence states
 
     def window(self, layer: int) -> int | None:
         return self.windows[layer] if self.windows else None
@@ -189,6 +205,7 @@ class ContiguousKVCache(SingleBatchKVCache):
         device: torch.device | str = "cpu",
         windows: tuple[int | None, ...] = (),
         formats: KVFormats | None = None,
+        v_head_dim: int | None = None,  # None: head_dim; 0: no V (MLA's latent, see kv_geometry)
     ):
         self.num_layers = num_layers
         self.windows = windows
@@ -199,14 +216,20 @@ class ContiguousKVCache(SingleBatchKVCache):
         self.formats = formats or KVFormats.plain(dtype)
         leading = (batch_size, num_kv_heads, max_len)
         self._k = [allocate(self.formats.k, leading, head_dim, device, True) for _ in range(num_layers)]
-        self._v = [allocate(self.formats.v, leading, head_dim, device, True) for _ in range(num_layers)]
-        self.k, self.v = [parts[0] for parts in self._k], [parts[0] for parts in self._v]
+        v_dim = head_dim if v_head_dim is None else v_head_dim
+        self._v = [allocate(self.formats.v, leading, v_dim, device, True) for _ in range(num_layers)]
+        self.k, self.v = [parts[0] for parts in self._k], [parts[0] if parts else None for parts in self._v]
 
     @classmethod
     def for_model(cls, config, max_len: int, batch_size: int = 1, dtype=torch.float32, device="cpu",
                   formats: KVFormats | None = None):  # fmt: skip
-        return cls(config.num_layers, config.num_kv_heads, config.head_dim, max_len, batch_size, dtype, device,
-                   windows=layer_windows(config), formats=formats)  # fmt: skip
+        from kvlab.kv.state_pool import attach_states, kv_config
+
+        full, config = config, kv_config(config)  # a hybrid's K/V: its attention layers only
+        heads, k_dim, v_dim = kv_geometry(config)
+        cache = cls(config.num_layers, heads, k_dim, max_len, batch_size, dtype, device,
+                    windows=layer_windows(config), formats=formats, v_head_dim=v_dim)  # fmt: skip
+        return attach_states(cache, full, batch_size, dtype, device)
 
     @property
     def device(self) -> torch.device:
@@ -250,7 +273,7 @@ class ContiguousKVCache(SingleBatchKVCache):
                     new = old.new_zeros(old.shape[0], old.shape[1], new_len, *old.shape[3:])
                     new[:, :, : self.length] = old[:, :, : self.length]
                     parts[i] = new
-        self.k, self.v = [parts[0] for parts in self._k], [parts[0] for parts in self._v]
+        self.k, self.v = [parts[0] for parts in self._k], [parts[0] if parts else None for parts in self._v]
         self.max_len = new_len
 
     def truncate(self, length: int) -> None:
@@ -260,12 +283,14 @@ class ContiguousKVCache(SingleBatchKVCache):
     def write(self, layer, k, v, meta):
         end = meta.start + k.shape[2]
         for parts, fmt, x in ((self._k[layer], self.formats.k, k), (self._v[layer], self.formats.v, v)):
-            for t, value in zip(parts, fmt.encode(x)):
+            for t, value in zip(parts, fmt.encode(x) if parts else ()):  # no parts: MLA's absent V
                 t[:, :, meta.start : end] = value
 
     def read(self, layer, meta):
         end = meta.start + meta.num_new_tokens
         k = self.formats.k.decode([t[:, :, :end] for t in self._k[layer]], self.dtype)
+        if not self._v[layer]:  # MLA: no V stored (the latent's first numbers serve as values)
+            return k, k[..., :0]
         v = self.formats.v.decode([t[:, :, :end] for t in self._v[layer]], self.dtype)
         return k, v
 
@@ -283,7 +308,11 @@ class NoCache(SingleBatchKVCache):
 
     @classmethod
     def for_model(cls, config, batch_size: int = 1, device="cpu") -> NoCache:
-        return cls(config.num_layers, batch_size, device, windows=layer_windows(config))
+        from kvlab.kv.state_pool import attach_states, kv_config
+
+        full, config = config, kv_config(config)
+        return attach_states(cls(config.num_layers, batch_size, device, windows=layer_windows(config)), full,
+                             batch_size, torch.float32, device)  # fmt: skip
 
     def plan(self, num_new_tokens: int) -> AttentionMetadata:
         return build_metadata(0, num_new_tokens, self.batch_size, self.device, self._window_set())

@@ -382,6 +382,10 @@ class KVCacheManager:
         elif block in self.pool.entries:  # findable, but held only here: stop offering it
             self.pool.unregister(block)
 
+    def fork_state(self, parent: Request, child: Request) -> None:
+        """A choice forked from `parent` after its prompt: nothing beyond the shared blocks here (a hybrid's
+        recurrent state is copied by kv/state_slots.py's HybridKVCacheManager)."""
+
     def take_pending_ops(self) -> list[BlockOp]:
         """Block operations owed since the last step (copy-on-write after truncation); the scheduler
         puts them first in the next step's plan."""

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvlab.kv.cache import AttentionMetadata, KVCache, allocate
+from kvlab.kv.cache import AttentionMetadata, KVCache, allocate, kv_geometry
 from kvlab.kv.formats import KVFormats
 from kvlab.kv.layout import KVLayout
 from kvlab.kv.manager import BlockZero
@@ -67,6 +67,7 @@ class PagedMetadata:
 
     positions: torch.Tensor  # [1, N] long: absolute position of each packed token (its RoPE angle)
     kv_groups: list[KVGroupMetadata]  # one per KV group of the cache's layout
+    states: object = None  # a hybrid's StateMetadata (kv/state_slots.py): which state slot each token continues
 
     @property
     def slot_mapping(self) -> torch.Tensor:
@@ -96,11 +97,13 @@ class PagedKVCache(KVCache):
         device: torch.device | str = "cpu",
         layout: KVLayout | None = None,
         formats: KVFormats | None = None,
+        v_head_dim: int | None = None,  # None: head_dim; 0: no V (MLA's latent, kv.cache.kv_geometry)
     ):
         self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
         self.dtype = dtype  # what attention reads: the stored vectors, decoded
         self.formats = formats or KVFormats.plain(dtype)
+        self.states = None  # a hybrid model's StatePool (kv/state_pool.py), set by runner/pipeline.py
         self.layout = layout or KVLayout.uniform((None,) * num_layers)
         self.windows = self.layout.layer_windows
         self.placement = self.layout.placement()  # (KV group, slot) of each layer
@@ -109,17 +112,19 @@ class PagedKVCache(KVCache):
         # every block is zeroed when allocated (kv.manager.BlockZero)
         slots = self.layout.layers_per_block
         self._k = [allocate(self.formats.k, leading, head_dim, device, False) for _ in range(slots)]
-        self._v = [allocate(self.formats.v, leading, head_dim, device, False) for _ in range(slots)]
+        v_dim = head_dim if v_head_dim is None else v_head_dim
+        self._v = [allocate(self.formats.v, leading, v_dim, device, False) for _ in range(slots)]
         self.k_parts = [self._k[slot] for _, slot in self.placement]  # per layer (layers of different groups alias)
         self.v_parts = [self._v[slot] for _, slot in self.placement]
         self.k = [parts[0] for parts in self.k_parts]  # the floats of a float format, the codes of a quantized one
-        self.v = [parts[0] for parts in self.v_parts]
+        self.v = [parts[0] if parts else None for parts in self.v_parts]
 
     @classmethod
     def for_model(cls, config, num_blocks: int, block_size: int = 16, dtype=torch.float32, device="cpu",
                   layout: KVLayout | None = None, formats: KVFormats | None = None):  # fmt: skip
-        return cls(config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim, dtype, device,
-                   layout or KVLayout.for_model(config), formats)  # fmt: skip
+        heads, k_dim, v_dim = kv_geometry(config)
+        return cls(config.num_layers, num_blocks, block_size, heads, k_dim, dtype, device,
+                   layout or KVLayout.for_model(config), formats, v_head_dim=v_dim)  # fmt: skip
 
     @classmethod
     def bytes_per_block_for(cls, config, dtype: torch.dtype, block_size: int, layout: KVLayout,
@@ -150,7 +155,7 @@ class PagedKVCache(KVCache):
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, meta: KVGroupMetadata) -> None:
         """k, v [1, Hkv, N, D] of the step's packed tokens → their slots (the layer's KV group's mapping)."""
         for parts, fmt, x in ((self.k_parts[layer], self.formats.k, k), (self.v_parts[layer], self.formats.v, v)):
-            for t, value in zip(parts, fmt.encode(x[0].transpose(0, 1))):  # [N, Hkv, ...] each
+            for t, value in zip(parts, fmt.encode(x[0].transpose(0, 1)) if parts else ()):  # [N, Hkv, ...] each
                 t.view(-1, *t.shape[2:]).index_copy_(0, meta.slot_mapping, value)
 
     def gather(self, layer: int, group: AttentionGroup) -> tuple[torch.Tensor, torch.Tensor]:
@@ -159,6 +164,9 @@ class PagedKVCache(KVCache):
         blocks = group.block_tables.view(-1)
         out = []
         for parts, fmt in ((self.k_parts[layer], self.formats.k), (self.v_parts[layer], self.formats.v)):
+            if not parts:  # MLA: no V stored (the latent's first numbers serve as values)
+                out.append(out[0][..., :0])
+                continue
             # whole blocks as rows: index_select copies rows, several times faster than k[tables]
             rows = [t.view(self.num_blocks, -1).index_select(0, blocks).view(B, -1, *t.shape[2:]) for t in parts]
             x = fmt.decode(rows, self.dtype)  # [B, blocks·bs, Hkv, D]

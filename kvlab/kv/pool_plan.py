@@ -20,6 +20,7 @@ from kvlab.errors import KvlabError
 from kvlab.kv.layout import KVLayout
 from kvlab.kv.formats import KVFormats
 from kvlab.kv.paged import PagedKVCache
+from kvlab.kv.state_pool import StateShape, kv_config
 
 DEFAULT_KV_FRACTION = 0.2  # of free memory, when --kv-memory is not given
 
@@ -34,6 +35,13 @@ class KVPoolPlan:
     layout: KVLayout  # which layers a block holds; sliding groups keep only their window
     bytes_per_block: int  # block_size tokens of one block's layers
     formats: KVFormats = None  # how keys and values are stored (floats, or quantized with their scales)
+    state: StateShape | None = None  # a hybrid's per-sequence recurrent state (kv/state_pool.py), beside the blocks
+    num_state_slots: int = 0  # sequences the state pool holds (max_num_seqs)
+
+    @property
+    def state_nbytes(self) -> int:
+        """Bytes of the state pool: every slot's recurrent states."""
+        return self.num_state_slots * self.state.bytes_per_sequence if self.state else 0
 
     @property
     def num_tokens(self) -> int:
@@ -79,6 +87,9 @@ def plan_kv_pool(
     sliding-window layers apart (`config.windowed_kv`), so one sequence holds fewer blocks.
     """
     block_size, max_model_len = config.block_size, config.context_len(model)
+    state = StateShape.of(model, dtype)  # a hybrid's recurrent layers: one state slot per sequence
+    state_total = state.bytes_per_sequence * config.max_num_seqs if state else 0
+    model = kv_config(model)  # the layers whose K/V the blocks hold
     if block_size < 1:
         raise KvlabError(f"--block-size must be at least 1, got {block_size}")
     layout = KVLayout.for_model(model, windowed=config.windowed_kv)
@@ -89,21 +100,24 @@ def plan_kv_pool(
     # a sequence at full context in its largest step: a sliding group's window plus a whole chunk
     peak = layout.peak_blocks(max_model_len, block_size, config.max_num_batched_tokens)
     if config.kv_memory_bytes is not None:
-        budget, source = config.kv_memory_bytes, "--kv-memory"
+        budget, source = config.kv_memory_bytes - state_total, "--kv-memory" + (" less the state pool" if state else "")
     else:
         fraction = DEFAULT_KV_FRACTION if config.kv_memory_fraction is None else config.kv_memory_fraction
         if not 0 < fraction <= 1:
             raise KvlabError(f"--kv-memory-fraction must be in (0, 1], got {fraction}")
         free = free_memory_bytes(device)
         wanted = config.max_num_seqs * peak * per_block
-        budget = min(int(fraction * free), wanted)
+        budget = min(int(fraction * free), wanted + state_total) - state_total
         source = (f"min({fraction:g} × {free / 2**30:.1f} GiB free, {config.max_num_seqs} sequences × "
                   f"{max_model_len} tokens)")  # fmt: skip
-    num_blocks = budget // per_block
+    num_blocks = max(budget, 0) // per_block
     if num_blocks < peak:
+        states = (f" after {state_total / 2**20:.1f} MiB of recurrent state for {config.max_num_seqs} sequences"
+                  if state else "")  # fmt: skip
         raise KvlabError(
-            f"the KV pool ({budget / 2**20:.1f} MiB = {num_blocks} blocks) cannot hold one sequence of "
-            f"{max_model_len} tokens ({peak} blocks of {per_block:,} bytes): give more --kv-memory "
-            f"or a smaller --max-model-len"
+            f"the KV pool ({max(budget, 0) / 2**20:.1f} MiB = {num_blocks} blocks{states}) cannot hold one sequence "
+            f"of {max_model_len} tokens ({peak} blocks of {per_block:,} bytes): give more --kv-memory "
+            f"or a smaller --max-model-len" + (" or --max-num-seqs" if state else "")
         )
-    return KVPoolPlan(block_size, per_token, num_blocks, max_model_len, source, layout, per_block, formats)
+    return KVPoolPlan(block_size, per_token, num_blocks, max_model_len, source, layout, per_block, formats, state,
+                      config.max_num_seqs if state else 0)  # fmt: skip

@@ -157,6 +157,7 @@ def run_experiments(args, names: list[str], settings: Settings) -> int:
     from kvlab.lab.common import Lab, machine_facts, model_facts, now
     from kvlab.lab.plots import pyplot
     from kvlab.lab.report import busy_text, load_results, render, verdict_text, write_results
+    from kvlab.config import Attention
     from kvlab.model.loader import load_model
 
     pyplot()  # the report's plots need matplotlib: find out now, not after every experiment has run
@@ -164,6 +165,10 @@ def run_experiments(args, names: list[str], settings: Settings) -> int:
     machine = machine_facts()  # before loading: free RAM and load average as the run found them
     before_load = cpu_load.snapshot()
     loaded = load_model(args.model, dtype=settings.dtype)
+    if not any(isinstance(layer.mixer, Attention) for layer in loaded.config.layers):
+        raise KvlabError(f"kvlab lab measures softmax-attention models; {args.model} has "
+                         f"{', '.join(loaded.config.count_by_label())} layers (kv-verify on another model shows "
+                         "DeepSeek-V3's latent cache from its config)")  # fmt: skip
     machine, threads = set_threads(machine, settings, cpu_load.measure(before_load))  # others' load as it loaded
     out = Path(args.out or f"lab-{model_label(args.model)}")
     print(f"kvlab lab: measuring {args.model} with {threads}; results go to {out.resolve()}",

@@ -7,7 +7,8 @@ bytes, positions actually written) and compared with
 
 and with kvlab.memory (the calculator behind `kvlab mem`), which reads the model's own config. The
 course's models (bundled configs) are allocated on PyTorch's meta device, which records shapes without
-touching memory, and checked the same way.
+touching memory, and checked the same way. DeepSeek-V3's latent cache is allocated beside the same model
+with plain multi-head attention (kvlab.lab.kv_latent): the measured ratio beside the course's "about 70×".
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 
 from kvlab.config import ModelConfig
 from kvlab.kv.cache import ContiguousKVCache
+from kvlab.lab import kv_latent
 from kvlab.lab.common import Lab, forward
 from kvlab.lab.report import held, md_table, num
 from kvlab.lab.sources import COURSE
@@ -69,6 +71,7 @@ class KvVerifyResult:
     seed_models: list[SeedModel]
     exact: bool  # every check and every seed model equal
     notes: list[str] = field(default_factory=list)
+    latent: kv_latent.LatentComparison | None = None  # DeepSeek-V3's latent cache against full multi-head attention
 
 
 def formula_numbers(config: ModelConfig, tokens: int, batch: int = 1) -> int:
@@ -105,8 +108,9 @@ def run(lab: Lab) -> KvVerifyResult:
     for check in checks[2:]:
         check.equal = check.measured == check.formula == check.calculator
     seeds = [seed_model(name) for name in SEED_MODELS]
-    exact = all(ch.equal for ch in checks) and all(s.equal for s in seeds)
-    return KvVerifyResult(context, checks, seeds, exact, notes)
+    latent = kv_latent.compare()
+    exact = all(ch.equal for ch in checks) and all(s.equal for s in seeds) and latent.equal
+    return KvVerifyResult(context, checks, seeds, exact, notes, latent)
 
 
 def seed_model(name: str) -> SeedModel:
@@ -134,7 +138,9 @@ def table(data: dict) -> str:
           num(s["bytes_per_token"] / 1024, 0), num(s["bytes_per_token_without_gqa"] / 1024, 0),
           num(s["bytes_at_32k"] / 2**30), "yes" if s["equal"] else "**no**"] for s in data["seed_models"]],
     )  # fmt: skip
-    return checks + "\n\n" + seeds + "\n\n(KV in bfloat16 for the course's models; KiB = 1,024 bytes, GiB = 2³⁰ bytes.)"
+    latent = "\n\n" + kv_latent.table(data["latent"]) if data.get("latent") else ""
+    return (checks + "\n\n" + seeds + "\n\n(KV in bfloat16 for the course's models; KiB = 1,024 bytes, GiB = 2³⁰ bytes.)"
+            + latent)  # fmt: skip
 
 
 def fmt(value) -> str:
@@ -157,4 +163,8 @@ def verdict(data: dict) -> str:
             f"{num(qwen3['bytes_per_token'] / 1024, 0)} KiB per token, "
             f"{'as' if seed_match else 'unlike'} {SOURCE.short}'s 29,360,128 and 112 KiB"
         )
+    latent = data.get("latent")
+    if latent:
+        text += (f"; DeepSeek-V3's latent cache takes {num(latent['mla_bytes_per_token'])} bytes per token, plain "
+                 f"multi-head attention {latent['ratio']:.1f}× more ({SOURCE.short}: about {kv_latent.SEED_RATIO}×)")
     return text + "."

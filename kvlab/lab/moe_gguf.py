@@ -75,8 +75,8 @@ def write_random_gguf(shape: LayerShape, path: Path, qtype_name: str = "Q4_0", s
         raise ValueError(f"random blocks are written as Q4_0 or Q8_0, not {qtype_name}")
     rng = np.random.default_rng(seed)
     arch = "qwen3moe" if shape.experts else "qwen3"
-    w = gguf.GGUFWriter(str(path), arch)
-    w.add_name(shape.name)
+    w = gguf.GGUFWriter(str(path), arch, use_temp_file=True)  # each tensor to a spooled file: a model's full
+    w.add_name(shape.name)  # size (Qwen3-30B-A3B's 48 layers, 17 GB) is written without holding it in memory
     w.add_block_count(shape.layers)
     w.add_context_length(shape.context)
     w.add_embedding_length(shape.hidden)

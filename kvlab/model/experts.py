@@ -78,6 +78,10 @@ class Experts(nn.Module):
         return [PackedTensor(fmt, shape, getattr(self, f"{name}_{i}")[e])
                 for i, (fmt, shape) in enumerate(zip(self.formats[name], self._shapes[name]))]  # fmt: skip
 
+    def part_shape(self, name: str, i: int) -> tuple[int, int]:
+        """[rows, in] of one expert's part i of a packed `name` (its bytes may be interleaved: "<fmt>x16")."""
+        return self._shapes[name][i]
+
     def _product(self, name: str, e: int, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [n, in] times expert e's `name` matrix (+ its bias) → [n, out]."""
         if name not in self.formats:
@@ -93,6 +97,35 @@ class Experts(nn.Module):
         if bias is not None:
             y = y + bias[e].to(y.dtype)
         return y.to(x.dtype)
+
+    def shard(self, lo: int, hi: int, keep_down_bias: bool = True) -> None:
+        """Keep channels [lo, hi) of every expert (a tensor-parallel rank's share): their gate and up rows
+        and the matching down columns, which must start and end on the down blocks' boundaries; the down
+        bias zeroed unless `keep_down_bias` (the ranks' outputs are summed: one of them adds it)."""
+        from kvlab.quant.formats import FORMATS
+
+        I = self.expert_size
+        if "gate_up" in self.formats:
+            for i in range(len(self.formats["gate_up"])):
+                setattr(self, f"gate_up_{i}", getattr(self, f"gate_up_{i}")[:, lo:hi].contiguous())
+            self._shapes["gate_up"] = [(hi - lo, shape[1]) for shape in self._shapes["gate_up"]]
+        else:
+            w = self.gate_up.detach()
+            self.gate_up = nn.Parameter(torch.cat([w[:, lo:hi], w[:, I + lo : I + hi]], dim=1), requires_grad=False)
+        if "down" in self.formats:
+            for i, fmt in enumerate(self.formats["down"]):
+                f = FORMATS[fmt]
+                start, end = lo // f.block_values * f.block_bytes, hi // f.block_values * f.block_bytes
+                setattr(self, f"down_{i}", getattr(self, f"down_{i}")[:, :, start:end].contiguous())
+            self._shapes["down"] = [(shape[0], hi - lo) for shape in self._shapes["down"]]
+        else:
+            self.down = nn.Parameter(self.down.detach()[:, :, lo:hi].contiguous(), requires_grad=False)
+        if self.gate_up_bias is not None:
+            b = self.gate_up_bias.detach()
+            self.gate_up_bias = nn.Parameter(torch.cat([b[:, lo:hi], b[:, I + lo : I + hi]], dim=1), requires_grad=False)
+        if self.down_bias is not None and not keep_down_bias:
+            self.down_bias = nn.Parameter(torch.zeros_like(self.down_bias), requires_grad=False)
+        self.expert_size = hi - lo
 
     # ---- the forward ------------------------------------------------------------------------------------
 

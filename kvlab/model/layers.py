@@ -70,6 +70,24 @@ def tensor_bytes(*tensors: torch.Tensor | None) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
+class Vector(nn.Module):
+    """A small learned parameter read whole by every pass: gpt-oss's sink logits [H], DeepSeek-V3's routing
+    bias [E], a Gated DeltaNet's A_log, dt_bias and conv taps."""
+
+    def __init__(self, *shape: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(*shape), requires_grad=False)
+
+    def weight_tensors(self) -> list[torch.Tensor]:
+        return [self.weight]
+
+    def nbytes(self) -> int:
+        return tensor_bytes(self.weight)
+
+    def bytes_read_per_token(self) -> int:
+        return self.nbytes()
+
+
 class Embedding(nn.Module):
     """The token embedding table [vocab, hidden]: a pass reads one row per token."""
 

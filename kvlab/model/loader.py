@@ -13,6 +13,7 @@ from kvlab.config.gguf import config_from_gguf
 from kvlab.errors import KvlabError
 from kvlab.gguf_file import GGUFFile
 from kvlab.model.auto_dtype import auto_dtype
+from kvlab.model.mla import join_kv_b
 from kvlab.model.registry import architecture_of, check_architecture_name
 from kvlab.model.transformer import Transformer
 from kvlab.model.weights import from_gpt_oss, iter_gguf, iter_safetensors, load_weights
@@ -86,12 +87,22 @@ def load_model(
         tensors = iter_safetensors(path)
         if architecture.family == "gpt_oss":  # its experts' own layout (interleaved gate/up, transposed)
             tensors = from_gpt_oss(tensors)
+        elif architecture.family in ("qwen3_5", "qwen3_next"):  # gated q_proj, Qwen3-Next's grouped projections
+            from kvlab.model.hybrid_weights import from_qwen_hybrid
+
+            tensors = from_qwen_hybrid(tensors, config)
     elif path.is_file():
         gguf = GGUFFile(path)
         config = config_from_gguf(gguf)
         architecture = architecture_of(config)
         native = keeps_blocks(path, device, dequantize, quantization)
         tensors = iter_gguf(gguf, config, architecture.gguf_permuted_qk, native=native)
+        if architecture.family == "deepseek_v3":  # kv_b as floats, joined from llama.cpp's k_b and v_b
+            tensors = join_kv_b(tensors)
+        elif architecture.family in ("qwen3_5", "qwen3_next"):  # A from −exp(A_log), the gated q_proj split
+            from kvlab.model.hybrid_weights import from_qwen_hybrid
+
+            tensors = from_qwen_hybrid(tensors, config)
     else:
         raise KvlabError(f"no such model file or directory: {path}")
     if dtype == "auto":

@@ -7,7 +7,9 @@ it accepts is exactly what the decoder computes: softmax attention of one geomet
 (each with its own sliding window, rotary settings and q·k scale), q/k norms (per head, or over the whole
 projections as OLMoE's), q/k/v and o biases, attention sinks (gpt-oss), a bias-free gated MLP (SiLU or
 tanh-GELU) or a mixture of experts (kvlab.model.moe: Qwen's and OLMoE's softmax-then-top-k routing, gpt-oss's
-top-k-then-softmax with a router bias, SiLU or gpt-oss's clamped SwiGLU experts, a gated shared expert),
+top-k-then-softmax with a router bias, DeepSeek-V3's group-limited sigmoid routing with its correction bias,
+SiLU or gpt-oss's clamped SwiGLU experts, a gated or ungated shared expert), multi-head latent attention
+(DeepSeek: kvlab.model.mla, one latent geometry in every layer),
 two norms per layer or Gemma's four, scaled embeddings, a final logit softcap.
 """
 
@@ -15,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvlab.config import Attention, DenseMLP, ModelConfig, MoE
+from kvlab.config import MLA, Attention, DenseMLP, GatedDeltaNet, ModelConfig, MoE
 from kvlab.config.layers import EXPERT_ACTIVATIONS, ROUTINGS
 from kvlab.errors import KvlabError
 
@@ -41,6 +43,15 @@ ARCHITECTURES = {
     "olmoe": Architecture("olmoe"),  # config.json and GGUF alike
     "gpt_oss": Architecture("gpt_oss"),
     "gpt-oss": Architecture("gpt_oss"),  # GGUF
+    "deepseek_v3": Architecture("deepseek_v3"),  # multi-head latent attention, sigmoid-routed experts
+    "deepseek2": Architecture("deepseek_v3"),  # GGUF (llama.cpp's one name for DeepSeek-V2 and V3)
+    # hybrids: Gated DeltaNet layers (kvlab.model.deltanet, a state per sequence) beside gated attention
+    "qwen3_5_text": Architecture("qwen3_5"),
+    "qwen3_5_moe_text": Architecture("qwen3_5"),
+    "qwen3_next": Architecture("qwen3_next"),
+    "qwen35": Architecture("qwen3_5"),  # GGUF: value heads stored tiled by key head (llama.cpp's converter)
+    "qwen35moe": Architecture("qwen3_5"),
+    "qwen3next": Architecture("qwen3_next"),
 }
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # the gated MLPs kvlab.model.layers has
 
@@ -67,18 +78,17 @@ def _unsupported_feature(config: ModelConfig) -> str | None:
         return "the source gives no vocabulary size"
     if config.max_position_embeddings is None:
         return "the source gives no context length (max_position_embeddings)"
-    first = config.attention
+    first = next((layer.mixer for layer in config.layers if not isinstance(layer.mixer, GatedDeltaNet)), None)
     for i, layer in enumerate(config.layers):
         m, mlp = layer.mixer, layer.mlp
-        if not isinstance(m, Attention):
-            return f"layer {i} is {layer.label}"
-        if m.output_gate or m.v_head_dim != m.head_dim:
-            return f"layer {i}'s attention has an output gate or a separate value size"
-        same = (m.num_heads, m.kv_heads, m.head_dim, m.qkv_bias, m.qk_norm)  # one paged cache for every layer
-        if same != (first.num_heads, first.kv_heads, first.head_dim, first.qkv_bias, first.qk_norm):
-            return f"layer {i}'s attention differs in shape from layer 0's"
-        if m.window is not None and m.window < 1:
-            return f"layer {i} has a sliding window of {m.window} tokens"
+        if isinstance(m, GatedDeltaNet):
+            problem = _unsupported_deltanet(m)
+        elif isinstance(m, MLA):
+            problem = _unsupported_mla(m, first)
+        else:
+            problem = _unsupported_attention(m, first, layer.label)
+        if problem:
+            return f"layer {i}{problem}"
         if isinstance(mlp, MoE):
             problem = _unsupported_moe(mlp)
             if problem:
@@ -92,17 +102,51 @@ def _unsupported_feature(config: ModelConfig) -> str | None:
     return None
 
 
+def _unsupported_attention(m, first, label: str) -> str | None:
+    """What of softmax-attention layer `m` the decoder does not compute, as a phrase after "layer i"."""
+    if not isinstance(m, Attention) or not isinstance(first, Attention):
+        return f" is {label}" if not isinstance(m, Attention) else "'s attention differs from layer 0's MLA"
+    if m.v_head_dim != m.head_dim:
+        return "'s attention has a separate value size"
+    same = (m.num_heads, m.kv_heads, m.head_dim, m.qkv_bias, m.qk_norm)  # one paged cache for every layer
+    if same != (first.num_heads, first.kv_heads, first.head_dim, first.qkv_bias, first.qk_norm):
+        return "'s attention differs in shape from layer 0's"
+    if m.window is not None and m.window < 1:
+        return f" has a sliding window of {m.window} tokens"
+    return None
+
+
+def _unsupported_deltanet(m: GatedDeltaNet) -> str | None:
+    """Gated DeltaNet (kvlab.model.deltanet): value heads in whole groups per key head, a conv of width ≥ 1."""
+    if m.num_value_heads % m.num_key_heads or m.conv_kernel < 1:
+        return f"'s Gated DeltaNet has {m.num_value_heads} value heads for {m.num_key_heads} key heads " \
+               f"and a conv of width {m.conv_kernel}"
+    return None
+
+
+def _unsupported_mla(m: MLA, first) -> str | None:
+    """Multi-head latent attention (kvlab.model.mla): one latent geometry in every layer (one paged cache)."""
+    if m != first:
+        return "'s latent attention differs from layer 0's mixer"
+    return None
+
+
 def _unsupported_moe(moe: MoE) -> str | None:
     """What of a mixture of experts kvlab.model.moe does not compute (None: all of it)."""
     if moe.routing not in ROUTINGS:
         return f"routes with {moe.routing} (kvlab routes with {', '.join(ROUTINGS)})"
-    if moe.score_bias:
-        return "has a routing correction bias (DeepSeek-V3's)"
+    if (moe.score_bias or moe.num_groups > 1 or moe.routed_scaling_factor != 1.0) and moe.routing != "sigmoid_topk":
+        return f"routes with {moe.routing} and a correction bias, expert groups or a scaling factor " \
+               "(kvlab runs those with DeepSeek-V3's sigmoid_topk only)"
+    if moe.routing == "sigmoid_topk" and not moe.score_bias:
+        return "routes with sigmoid_topk without DeepSeek-V3's correction bias (a config transformers may read otherwise)"
+    per_group = moe.num_experts // max(moe.num_groups, 1)
+    if moe.num_experts % moe.num_groups or not 0 < moe.top_k_groups <= moe.num_groups or \
+            (moe.num_groups > 1 and per_group < 2) or moe.top_k > moe.top_k_groups * per_group:
+        return f"has {moe.num_groups} expert groups, top {moe.top_k_groups}, for {moe.top_k} of {moe.num_experts} experts"
     if not moe.gated or moe.activation not in EXPERT_ACTIVATIONS:
         return f"has {moe.activation} experts{'' if moe.gated else ' without a gate'} (kvlab runs gated " \
                f"{' or '.join(EXPERT_ACTIVATIONS)} experts)"
-    if moe.shared_size and not moe.shared_gate:
-        return "has an ungated shared expert (DeepSeek's)"
     if not 0 < moe.top_k <= moe.num_experts:
         return f"chooses {moe.top_k} of {moe.num_experts} experts"
     return None

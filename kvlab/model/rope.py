@@ -88,6 +88,7 @@ class RotaryEmbedding(torch.nn.Module):
         super().__init__()
         # The tables are computed on the CPU even when the model is built under torch.device("meta"):
         # meta arithmetic runs through torch._refs, whose first use imports torch._dynamo (2 s at start-up).
+        head_dim = int(head_dim * rope.partial_rotary_factor)  # partial rotary: the first channels of each head
         with torch.device("cpu"):
             inv_freq, scaling = inverse_frequencies(rope, head_dim)
             positions = torch.arange(max_positions, dtype=torch.float32)
@@ -106,8 +107,11 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -
     """Rotate x [B, T, heads, D]: (x1, x2) → (x1·cos − x2·sin, x2·cos + x1·sin) per channel pair.
 
     A decode step's float32 rows on a CPU are rotated in place by one C call (the same arithmetic);
-    otherwise a new tensor is returned.
+    otherwise a new tensor is returned. Tables narrower than x (partial rotary) rotate its first channels only.
     """
+    if cos.shape[-1] < x.shape[-1]:
+        rotated = apply_rotary(x[..., : cos.shape[-1]].contiguous(), cos, signed_sin)
+        return torch.cat([rotated, x[..., cos.shape[-1] :]], dim=-1)
     if small_ops_apply(x, x.shape[0] * x.shape[1]) and rope_in_place(x, cos, signed_sin):
         return x
     return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), signed_sin)

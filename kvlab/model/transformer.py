@@ -15,10 +15,14 @@ import torch
 from torch import nn
 
 from kvlab.config import Attention as AttentionConfig
+from kvlab.config import MLA as MLAConfig
+from kvlab.config import GatedDeltaNet as DeltaNetConfig
 from kvlab.config import ModelConfig, MoE, RopeConfig
 from kvlab.kv.cache import AttentionMetadata, KVCache
 from kvlab.model.attention import ATTENTION_BACKENDS, sdpa_attention, sink_attention
-from kvlab.model.layers import GATED_MLPS, Embedding, Linear, OffsetRMSNorm, RMSNorm
+from kvlab.model.deltanet import GatedDeltaNet
+from kvlab.model.layers import GATED_MLPS, Embedding, Linear, OffsetRMSNorm, RMSNorm, Vector
+from kvlab.model.mla import MLAttention, rotary_dim
 from kvlab.model.moe import MoEBlock
 from kvlab.model.rope import RotaryEmbedding, apply_rotary
 
@@ -30,30 +34,14 @@ def make_norm(config: ModelConfig, dim: int) -> RMSNorm:
     return OffsetRMSNorm(dim, config.rms_norm_eps, config.norm_offset)
 
 
-class SinkLogits(nn.Module):
-    """gpt-oss's attention sinks: one learned logit per query head [H], read whole by every pass."""
-
-    def __init__(self, num_heads: int):
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(num_heads), requires_grad=False)
-
-    def weight_tensors(self) -> list[torch.Tensor]:
-        return [self.weight]
-
-    def nbytes(self) -> int:
-        return self.weight.numel() * self.weight.element_size()
-
-    def bytes_read_per_token(self) -> int:
-        return self.nbytes()
-
-
 class Attention(nn.Module):
     """Grouped-query attention; K/V heads are shared by H/Hkv query heads without being copied."""
 
     def __init__(self, config: ModelConfig, layer_index: int):
         super().__init__()
         mixer: AttentionConfig = config.layers[layer_index].mixer
-        self.layer_index = layer_index
+        # its index among the layers the KV cache holds (a hybrid's Gated DeltaNet layers hold none)
+        self.layer_index = sum(not isinstance(layer.mixer, DeltaNetConfig) for layer in config.layers[:layer_index])
         self.num_heads, self.num_kv_heads, self.head_dim = mixer.num_heads, mixer.kv_heads, mixer.head_dim
         self.window = mixer.window  # the cache applies it (it knows which keys each query sees)
         self.scale = mixer.scale  # None: SDPA's 1/√D
@@ -62,13 +50,15 @@ class Attention(nn.Module):
         self.qkv_proj = Linear(config.hidden_size, q_size + 2 * kv_size, bias=mixer.qkv_bias,
                                parts=(q_size, kv_size, kv_size))  # fmt: skip
         self.o_proj = Linear(q_size, config.hidden_size, bias=mixer.o_bias)
+        # Qwen3.5, Qwen3-Next: q_proj also emits a sigmoid gate per head and channel (split out at load)
+        self.gate_proj = Linear(config.hidden_size, q_size) if mixer.output_gate else None
         # q/k norms per head (Qwen3, Gemma 3), or over the whole projections (OLMoE: `qk_norm_whole`)
         self.qk_norm_whole, self.clip_qkv = mixer.qk_norm_whole, mixer.clip_qkv
         q_norm_size, k_norm_size = (q_size, kv_size) if mixer.qk_norm_whole else (self.head_dim, self.head_dim)
         self.q_norm = make_norm(config, q_norm_size) if mixer.qk_norm else None
         self.k_norm = make_norm(config, k_norm_size) if mixer.qk_norm else None
         # gpt-oss: one learned sink logit per query head in every softmax [H]
-        self.sinks = SinkLogits(self.num_heads) if mixer.sinks else None
+        self.sinks = Vector(self.num_heads) if mixer.sinks else None  # gpt-oss's sink logit per head
         self.attend = sdpa_attention  # see kvlab.model.attention; Transformer.set_attention swaps it
 
     def forward(self, x, cos, sin, cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
@@ -90,8 +80,10 @@ class Attention(nn.Module):
         attention = self.attend if self.scale is None else functools.partial(self.attend, scale=self.scale)
         if self.sinks is not None:
             attention = functools.partial(sink_attention, sinks=self.sinks.weight, scale=self.scale)
-        out = cache.attend(self.layer_index, q, k, v, meta, attention)  # [B, H, T, D]
-        return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
+        out = cache.attend(self.layer_index, q, k, v, meta, attention).transpose(1, 2).reshape(B, T, -1)  # [B, T, H·D]
+        if self.gate_proj is not None:
+            out = out * torch.sigmoid(self.gate_proj(x))
+        return self.o_proj(out)
 
     def _whole_norm_and_clip(self, qkv: torch.Tensor) -> torch.Tensor:
         """OLMoE: q and k normalised over their whole projections, then q, k, v clamped to ±clip_qkv."""
@@ -109,7 +101,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_index: int):
         super().__init__()
         self.input_norm = make_norm(config, config.hidden_size)
-        self.attn = Attention(config, layer_index)
+        self.attn = make_mixer(config, layer_index)
         self.post_attn_norm = make_norm(config, config.hidden_size)
         self.mlp = make_mlp(config, layer_index)
 
@@ -132,6 +124,15 @@ class SandwichDecoderLayer(DecoderLayer):
     def forward(self, x, cos, sin, cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         x = x + self.post_attn_norm(self.attn(self.input_norm(x), cos, sin, cache, meta))
         return x + self.post_mlp_norm(self.mlp(self.pre_mlp_norm(x)))
+
+
+def make_mixer(config: ModelConfig, layer_index: int) -> nn.Module:
+    """The layer's token mixer: softmax attention, or multi-head latent attention (kvlab.model.mla)."""
+    if isinstance(config.layers[layer_index].mixer, MLAConfig):
+        return MLAttention(config, layer_index)
+    if isinstance(config.layers[layer_index].mixer, DeltaNetConfig):
+        return GatedDeltaNet(config, layer_index)
+    return Attention(config, layer_index)
 
 
 def make_mlp(config: ModelConfig, layer_index: int) -> nn.Module:
@@ -166,11 +167,12 @@ class Transformer(nn.Module):
         """(Re)build the cos/sin tables for `max_positions` positions: `rotary` for every layer without
         rotary settings of its own, `layer_rotary` for the others (Gemma 3's sliding layers)."""
         c = self.config
-        self.rotary = RotaryEmbedding(c.rope, c.head_dim, max_positions).to(device or "cpu")
+        dim = rotary_dim(c)  # the head, or MLA's decoupled rope part
+        self.rotary = RotaryEmbedding(c.rope, dim, max_positions).to(device or "cpu")
         ropes = dict.fromkeys(layer.attn.rope for layer in self.layers if layer.attn.rope is not None)
         self._rope_names = {rope: f"rope{i}" for i, rope in enumerate(ropes)}  # ModuleDict keys are strings
         self.layer_rotary = nn.ModuleDict({
-            name: RotaryEmbedding(rope, c.head_dim, max_positions).to(device or "cpu")
+            name: RotaryEmbedding(rope, dim, max_positions).to(device or "cpu")
             for rope, name in self._rope_names.items()
         })  # fmt: skip
 

@@ -58,6 +58,27 @@ _GGUF_TO_HF = {
     "ffn_up_shexp.weight": "model.layers.{i}.mlp.shared_expert.up_proj.weight",
     "ffn_down_shexp.weight": "model.layers.{i}.mlp.shared_expert.down_proj.weight",
     "ffn_gate_inp_shexp.weight": "model.layers.{i}.mlp.shared_expert_gate.weight",
+    # deepseek2: multi-head latent attention (k_b / v_b: kv_b split by llama.cpp, joined by kvlab.model.mla)
+    "attn_q_a.weight": "model.layers.{i}.self_attn.q_a_proj.weight",
+    "attn_q_a_norm.weight": "model.layers.{i}.self_attn.q_a_layernorm.weight",
+    "attn_q_b.weight": "model.layers.{i}.self_attn.q_b_proj.weight",
+    "attn_kv_a_mqa.weight": "model.layers.{i}.self_attn.kv_a_proj_with_mqa.weight",
+    "attn_kv_a_norm.weight": "model.layers.{i}.self_attn.kv_a_layernorm.weight",
+    "attn_kv_b.weight": "model.layers.{i}.self_attn.kv_b_proj.weight",
+    "attn_k_b.weight": "model.layers.{i}.self_attn.k_b_proj.weight",
+    "attn_v_b.weight": "model.layers.{i}.self_attn.v_b_proj.weight",
+    "exp_probs_b.bias": "model.layers.{i}.mlp.gate.e_score_correction_bias",
+    # Gated DeltaNet (qwen35, qwen3next; kvlab.model.hybrid_weights undoes the converter's changes)
+    "attn_qkv.weight": "model.layers.{i}.linear_attn.in_proj_qkv.weight",
+    "attn_gate.weight": "model.layers.{i}.linear_attn.in_proj_z.weight",
+    "ssm_beta.weight": "model.layers.{i}.linear_attn.in_proj_b.weight",
+    "ssm_alpha.weight": "model.layers.{i}.linear_attn.in_proj_a.weight",
+    "ssm_ba.weight": "model.layers.{i}.linear_attn.in_proj_ba.weight",
+    "ssm_conv1d.weight": "model.layers.{i}.linear_attn.conv1d.weight",
+    "ssm_dt.bias": "model.layers.{i}.linear_attn.dt_bias",
+    "ssm_a": "model.layers.{i}.linear_attn.A",  # −exp(A_log), as llama.cpp stores it
+    "ssm_norm.weight": "model.layers.{i}.linear_attn.norm.weight",
+    "ssm_out.weight": "model.layers.{i}.linear_attn.out_proj.weight",
 }
 # Gemma's four norms per block: llama.cpp's ffn_norm is the MLP's input norm there too, but
 # transformers calls it pre_feedforward_layernorm (post_attention_layernorm normalises the attention's output)
@@ -104,6 +125,28 @@ _LAYER_TO_OURS = {
     "mlp.shared_expert.up_proj.weight": ("mlp.shared_expert.gate_up_proj.weight", 1),
     "mlp.shared_expert.down_proj.weight": ("mlp.shared_expert.down_proj.weight", None),
     "mlp.shared_expert_gate.weight": ("mlp.shared_expert_gate.weight", None),
+    # DeepSeek-V3 (kvlab.model.mla): the latent attention's projections, the routing bias, ungated shared experts
+    "self_attn.q_a_proj.weight": ("attn.q_a_proj.weight", None),
+    "self_attn.q_a_layernorm.weight": ("attn.q_a_norm.weight", None),
+    "self_attn.q_b_proj.weight": ("attn.q_b_proj.weight", None),
+    "self_attn.kv_a_proj_with_mqa.weight": ("attn.kv_a_proj.weight", None),
+    "self_attn.kv_a_layernorm.weight": ("attn.kv_a_norm.weight", None),
+    "self_attn.kv_b_proj.weight": ("attn.kv_b_proj.weight", None),
+    "mlp.gate.e_score_correction_bias": ("mlp.score_bias.weight", None),
+    "mlp.shared_experts.gate_proj.weight": ("mlp.shared_expert.gate_up_proj.weight", 0),
+    "mlp.shared_experts.up_proj.weight": ("mlp.shared_expert.gate_up_proj.weight", 1),
+    "mlp.shared_experts.down_proj.weight": ("mlp.shared_expert.down_proj.weight", None),
+    # Qwen3.5 / Qwen3-Next (after kvlab.model.hybrid_weights): the attention's output gate, Gated DeltaNet layers
+    "self_attn.gate_proj.weight": ("attn.gate_proj.weight", None),
+    "linear_attn.in_proj_qkv.weight": ("attn.in_proj.weight", 0),
+    "linear_attn.in_proj_z.weight": ("attn.in_proj.weight", 1),
+    "linear_attn.in_proj_b.weight": ("attn.in_proj.weight", 2),
+    "linear_attn.in_proj_a.weight": ("attn.in_proj.weight", 3),
+    "linear_attn.conv1d.weight": ("attn.conv.weight", None),
+    "linear_attn.A_log": ("attn.A_log.weight", None),
+    "linear_attn.dt_bias": ("attn.dt_bias.weight", None),
+    "linear_attn.norm.weight": ("attn.norm.weight", None),
+    "linear_attn.out_proj.weight": ("attn.out_proj.weight", None),
 }
 # one expert's own matrices (checkpoints that store a module per expert): expert e's gate and up are parts
 # 2e and 2e + 1 of the stacked gate_up [E, 2I, hidden], its down part e of down [E, hidden, I]
@@ -113,7 +156,7 @@ _TOP_TO_OURS = {
     "model.norm.weight": "norm.weight",
     "lm_head.weight": "lm_head.weight",
 }
-_FUSED_PARTS = {"attn.qkv_proj.weight": 3, "attn.qkv_proj.bias": 3, "mlp.gate_up_proj.weight": 2,
+_FUSED_PARTS = {"attn.qkv_proj.weight": 3, "attn.qkv_proj.bias": 3, "mlp.gate_up_proj.weight": 2, "attn.in_proj.weight": 4,
                 "mlp.shared_expert.gate_up_proj.weight": 2}
 _LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)")
 
@@ -323,6 +366,8 @@ def load_weights(model: torch.nn.Module, tensors: Iterator[tuple[str, torch.Tens
         if target is None:
             continue
         name, part = target
+        if name not in params and part == 0 and name.replace(".qkv_proj.", ".q_proj.") in params:
+            name, part = name.replace(".qkv_proj.", ".q_proj."), None  # MLA's own q_proj (no q/k/v to fuse)
         if name not in params:
             continue
         if part is None:

@@ -1,7 +1,8 @@
 """The layers tensor parallelism adds around a model's own: each wraps the rank's shard of a layer.
 
     RowParallel              y = Σ over ranks of (x's shard · W's column shard): an all-reduce after
-                             the inner layer (o_proj, down_proj)
+                             the inner layer (o_proj, down_proj, or a mixture of experts whose every
+                             expert holds the rank's share of its channels)
     VocabParallelEmbedding   each rank holds a range of the vocabulary's rows; a token outside it looks
                              up zeros, and an all-reduce puts every row together
     VocabParallelHead        each rank computes its vocabulary range's logits; an all-gather joins them
@@ -23,8 +24,11 @@ class RowParallel(nn.Module):
     def __init__(self, inner: nn.Module, group: TPGroup):
         super().__init__()
         self.inner, self.group = inner, group
-        self.in_features, self.out_features = inner.in_features, inner.out_features
-        self.parts = (inner.out_features,)
+        if hasattr(inner, "experts"):  # a mixture of experts (kvlab.model.moe): hidden in, hidden out
+            self.in_features = self.out_features = inner.experts.hidden
+        else:
+            self.in_features, self.out_features = inner.in_features, inner.out_features
+        self.parts = (self.out_features,)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.group.all_reduce(self.inner(x))

@@ -23,6 +23,8 @@ from kvlab.errors import KvlabError
 from kvlab.model.layers import Embedding, Linear
 from kvlab.parallel.group import TPGroup
 from kvlab.parallel.layers import RowParallel, VocabParallelEmbedding, VocabParallelHead
+from kvlab.model.moe import MoEBlock
+from kvlab.quant.formats import FORMATS
 from kvlab.quant.linear import PackedEmbedding, PackedLinear, PackedTensor
 
 
@@ -52,10 +54,10 @@ def _bias_rows(bias, ranges, parts):
     return torch.cat([bias.detach()[o + lo : o + hi] for o, (lo, hi) in zip(offsets, ranges)]).contiguous()
 
 
-def _columns(module, lo: int, hi: int):
-    """The module's input columns [lo, hi): a row-parallel shard."""
-    if module.bias is not None:  # the sum over ranks would add it once per rank (none of kvlab's models has one)
-        raise KvlabError("a row-parallel layer with a bias (o_proj, down_proj) cannot be split yet")
+def _columns(module, lo: int, hi: int, keep_bias: bool):
+    """The module's input columns [lo, hi): a row-parallel shard. The ranks' outputs are summed, so one
+    rank (`keep_bias`) adds the bias (gpt-oss's o_proj has one) and the others none."""
+    bias = module.bias.detach().clone() if module.bias is not None and keep_bias else None
     if isinstance(module, PackedLinear):
         kept = []
         for p in module.packed():
@@ -65,9 +67,11 @@ def _columns(module, lo: int, hi: int):
                 continue
             start, end = lo // fmt.block_values * fmt.block_bytes, hi // fmt.block_values * fmt.block_bytes
             kept.append(PackedTensor(p.fmt, (p.shape[0], hi - lo), p.data[:, start:end].contiguous()))
-        return PackedLinear(kept)
-    new = Linear(hi - lo, module.out_features)
+        return PackedLinear(kept, bias=bias)
+    new = Linear(hi - lo, module.out_features, bias=bias is not None)
     new.weight = torch.nn.Parameter(module.weight.detach()[:, lo:hi].contiguous(), requires_grad=False)
+    if bias is not None:
+        new.bias = torch.nn.Parameter(bias, requires_grad=False)
     return new
 
 
@@ -98,13 +102,20 @@ def shard_model(loaded, group: TPGroup):
     if group.world_size == 1:
         return loaded
     model, config, world, rank = loaded.model, loaded.config, group.world_size, group.rank
+    if any(type(layer.attn).__name__ == "MLAttention" for layer in model.layers):
+        raise KvlabError("multi-head latent attention (DeepSeek) cannot be split over tensor-parallel ranks yet")
+    if any(type(layer.attn).__name__ == "GatedDeltaNet" for layer in model.layers):
+        raise KvlabError("Gated DeltaNet layers (Qwen3.5, Qwen3-Next) cannot be split over tensor-parallel ranks yet")
     local = shard_config(config, world)
     widths = []
     for layer in model.layers:
         _shard_attention(layer.attn, group)
-        widths.append(_shard_mlp(layer.mlp, group))
-    layers = tuple(dataclasses.replace(layer, mlp=dataclasses.replace(layer.mlp, intermediate_size=w))
-                   for layer, w in zip(local.layers, widths))  # fmt: skip
+        if isinstance(layer.mlp, MoEBlock):
+            widths.append(_shard_moe(layer.mlp, group))
+            layer.mlp = RowParallel(layer.mlp, group)  # the experts' and the shared expert's sums: one all-reduce
+        else:
+            widths.append(_shard_mlp(layer.mlp, group))
+    layers = tuple(dataclasses.replace(layer, mlp=_mlp_width(layer.mlp, w)) for layer, w in zip(local.layers, widths))
     local = dataclasses.replace(local, layers=layers)  # this rank's own MLP widths (cut at block boundaries)
     vocab = config.vocab_size
     per_rank = -(-vocab // world)
@@ -133,7 +144,10 @@ def _shard_attention(attn, group: TPGroup) -> None:
     q = (rank * heads * D, (rank + 1) * heads * D)
     kv = (kv_first * D, (kv_first + kv_heads) * D)
     attn.qkv_proj = _rows(attn.qkv_proj, [q, kv, kv], (heads * D, kv_heads * D, kv_heads * D))
-    attn.o_proj = RowParallel(_columns(attn.o_proj, *q), group)
+    attn.o_proj = RowParallel(_columns(attn.o_proj, *q, keep_bias=rank == 0), group)
+    if getattr(attn, "sinks", None) is not None:  # gpt-oss: one sink logit per query head, this rank's heads'
+        sinks = attn.sinks.weight.detach()[rank * heads : (rank + 1) * heads].contiguous()
+        attn.sinks.weight = torch.nn.Parameter(sinks, requires_grad=False)
     attn.num_heads, attn.num_kv_heads = heads, kv_heads
 
 
@@ -152,14 +166,42 @@ def mlp_ranges(size: int, align: int, world: int) -> list[tuple[int, int]]:
 
 
 def _shard_mlp(mlp, group: TPGroup) -> int:
-    if not hasattr(mlp, "down_proj"):  # kvlab.model.moe's MoEBlock
-        raise KvlabError("a mixture-of-experts layer cannot be split over tensor-parallel ranks yet")
     down = mlp.down_proj
     align = max((p.format.block_values for p in down.packed()), default=1) if isinstance(down, PackedLinear) else 1
     lo, hi = mlp_ranges(mlp.intermediate_size, align, group.world_size)[group.rank]
     if hi == lo:
         raise KvlabError(f"an MLP of {mlp.intermediate_size} channels cannot give {group.world_size} ranks a share each")
     mlp.gate_up_proj = _rows(mlp.gate_up_proj, [(lo, hi), (lo, hi)], (hi - lo, hi - lo))
-    mlp.down_proj = RowParallel(_columns(mlp.down_proj, lo, hi), group)
+    mlp.down_proj = RowParallel(_columns(mlp.down_proj, lo, hi, keep_bias=group.rank == 0), group)
     mlp.intermediate_size = hi - lo
     return hi - lo
+
+
+# ---- a mixture of experts: every expert split like an MLP, the router whole -----------------------
+
+
+def _mlp_width(mlp, width):
+    """The layer's MLP description with this rank's widths: (expert, shared) for a mixture of experts."""
+    if isinstance(width, tuple):
+        return dataclasses.replace(mlp, expert_size=width[0], shared_size=width[1])
+    return dataclasses.replace(mlp, intermediate_size=width)
+
+
+def _shard_moe(block, group: TPGroup) -> tuple[int, int]:
+    """Split every routed expert's channels (and the shared expert's) over the ranks, each rank's share cut
+    at the down matrices' block boundaries; the router and the shared expert's gate stay whole, so every
+    rank routes alike. The sum over ranks (one all-reduce after the block) adds the experts' down biases
+    once: rank 0 keeps them. Returns this rank's (expert width, shared width)."""
+    experts, world, rank = block.experts, group.world_size, group.rank
+    align = max((FORMATS[f].block_values for f in experts.formats.get("down", [])), default=1)
+    lo, hi = mlp_ranges(experts.expert_size, align, world)[rank]
+    if hi == lo:
+        raise KvlabError(f"experts of {experts.expert_size} channels cannot give {world} ranks a share each")
+    experts.shard(lo, hi, keep_down_bias=rank == 0)
+    block.intermediate_size = hi - lo
+    shared = 0
+    if block.shared_expert is not None:
+        shared = _shard_mlp(block.shared_expert, group)
+        block.shared_expert.down_proj = block.shared_expert.down_proj.inner  # summed with the experts', below
+    block.moe = dataclasses.replace(block.moe, expert_size=hi - lo, shared_size=shared)  # what the rank holds
+    return hi - lo, shared

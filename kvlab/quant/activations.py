@@ -12,8 +12,10 @@ result does not depend on the batch it came in, as on the exact path; but the ro
 last-bit differences upstream (a prompt prefilled packed with others, or over cached blocks, has
 attention sums in another order), so greedy tokens are reproducible only where the prefill is.
 
-    with_int8_activations(loaded)   every packed matrix of the model interleaved; the LoadedModel with
-                                    its weight_format saying so
+    with_int8_activations(loaded)   every packed matrix of the model interleaved (a mixture's experts
+                                    expert by expert: all of them then resident in memory, where the
+                                    exact path leaves an unchosen expert's blocks on disk); the
+                                    LoadedModel with its weight_format saying so
 """
 
 from __future__ import annotations
@@ -41,8 +43,14 @@ def with_int8_activations(loaded):
         raise KvlabError(f"--activation-quant int8 runs on the CPU kernels; the model is on {loaded.model.device}")
     if not quant.available():
         raise KvlabError("--activation-quant int8 needs the C kernels, which are not built here (no compiler?)")
+    from kvlab.model.experts import Experts
+
     converted = kept = 0
     for module in loaded.model.modules():
+        if isinstance(module, Experts):
+            done, left = _interleave_experts(module)
+            converted, kept = converted + done, kept + left
+            continue
         if not isinstance(module, PackedLinear):
             continue
         repacked = [quant.interleave(p) for p in module.packed()]
@@ -59,3 +67,30 @@ def with_int8_activations(loaded):
                          "--quantization q8_0 / q4_0); this model has none")  # fmt: skip
     note = "int8 activations" + (f" ({kept} matrices exact)" if kept else "")
     return dataclasses.replace(loaded, weight_format=f"{loaded.weight_format}, {note}")
+
+
+def _interleave_experts(experts) -> tuple[int, int]:
+    """Every packed expert matrix of an Experts bank interleaved in place, expert by expert (the stacked
+    buffer becomes uint8 [E, items, item bytes]); (matrices interleaved, matrices kept exact). A stacked
+    matrix with a part of no interleaved form (MXFP4, float) stays exact as a whole."""
+    import torch
+
+    from kvlab.kernels import quant
+
+    converted = kept = 0
+    for name in list(experts.formats):
+        stacked = []
+        for i in range(len(experts.formats[name])):
+            per_expert = [quant.interleave(p[i]) for p in
+                          (experts.expert_parts(name, e) for e in range(experts.num_experts))]  # fmt: skip
+            if any(r is None for r in per_expert):
+                break
+            stacked.append((per_expert[0][0], torch.stack([data for _, data in per_expert])))
+        if len(stacked) != len(experts.formats[name]):
+            kept += 1
+            continue
+        for i, (fmt, data) in enumerate(stacked):
+            setattr(experts, f"{name}_{i}", data)  # a registered buffer: replaced, not added
+            experts.formats[name][i] = fmt
+        converted += 1
+    return converted, kept

@@ -28,6 +28,7 @@ from kvlab.kernels.gemv import gemv_available
 from kvlab.kv.cache import AttentionMetadata, build_metadata, window_mask
 from kvlab.kv.layout import KVGroup, window_start
 from kvlab.kv.paged import AttentionGroup, KVGroupMetadata, PagedKVCache, PagedMetadata
+from kvlab.kv.state_slots import plan_states
 from kvlab.request import Request
 from kvlab.runner.driver import ModelDriver
 from kvlab.sampling.logprobs import Logprob, prompt_logprobs
@@ -156,6 +157,9 @@ class ModelRunner:
         kv_groups = [self._kv_group(chunks, g, group) for g, group in enumerate(self.layout.groups)]
         tensor = lambda x: torch.tensor(x, dtype=torch.long, device=self.device)  # noqa: E731
         meta = PagedMetadata(positions=tensor([positions]), kv_groups=kv_groups)
+        states = getattr(self.cache, "states", None)  # a hybrid's StatePool (kv/state_pool.py)
+        if states is not None:  # which state slot each token continues (kv/state_slots.py)
+            meta.states = plan_states(chunks, states.slots)
         return ModelInputs(tensor([ids]), meta, tensor(logits_index), sampling, chunks)
 
     def _kv_group(self, chunks: list[ScheduledChunk], g: int, kv: KVGroup) -> KVGroupMetadata:
@@ -231,6 +235,8 @@ class ModelRunner:
             if extra:
                 index = torch.cat([index, index.new_tensor([row for _, _, rws in extra for row in rws])])
             logits = self.driver.run(p.input_ids, self.cache, p.meta, logits_index=index)[0]  # [S (+ prompt rows), V]
+            if self.spec is not None:  # an MTP proposer keeps the pass's hidden states
+                self.spec.observe_pass(p.chunks)
             if extra:
                 self._prompt_logprobs(step, extra, logits[num_sampling:])
                 logits = logits[:num_sampling]

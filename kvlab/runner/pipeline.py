@@ -12,6 +12,7 @@ EngineConfig so that it stores K and V in the same formats (or says in one line 
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 from kvlab.config import EngineConfig
@@ -20,8 +21,13 @@ from kvlab.kernels import ThreadPolicy
 from kvlab.kv.manager import KVCacheManager
 from kvlab.kv.paged import PagedKVCache
 from kvlab.kv.pool_plan import KVPoolPlan, plan_kv_pool
+from kvlab.kv.state_pool import StatePool, kv_config
+from kvlab.kv.state_slots import HybridKVCacheManager, StateSlots
 from kvlab.runner.model_runner import ModelRunner
 from kvlab.sampling.sampler import BatchSampler
+
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -41,9 +47,17 @@ def build_pipeline(loaded, config: EngineConfig, policy: ThreadPolicy | None = N
     if model.rotary.cos.shape[0] < plan.max_model_len:
         raise KvlabError(f"the model was loaded with rotary tables for {model.rotary.cos.shape[0]} positions, "
                          f"fewer than max_model_len {plan.max_model_len}: load it with max_positions")  # fmt: skip
-    cache = PagedKVCache.for_model(model_config, plan.num_blocks, config.block_size, model.dtype, model.device,
-                                   plan.layout, plan.formats)  # fmt: skip
+    cache = PagedKVCache.for_model(kv_config(model_config), plan.num_blocks, config.block_size, model.dtype,
+                                   model.device, plan.layout, plan.formats)  # fmt: skip
     caching = config.enable_prefix_caching and config.use_cache if prefix_caching is None else prefix_caching
-    kv = KVCacheManager(plan.num_blocks, config.block_size, caching, plan.layout)
+    if plan.state is not None:  # a hybrid: a state slot per sequence beside its blocks (kv/state_slots.py)
+        slots = StateSlots(plan.num_state_slots)
+        cache.states = StatePool(plan.state, slots, model.device)
+        kv = HybridKVCacheManager(plan.num_blocks, config.block_size, slots, plan.layout)
+        if caching:
+            logger.info("prefix caching is off for %s: its recurrent state cannot be restored from attention "
+                        "blocks", model_config.name or model_config.architecture)  # fmt: skip
+    else:
+        kv = KVCacheManager(plan.num_blocks, config.block_size, caching, plan.layout)
     runner = ModelRunner(model, cache, pack_prompts=config.pack_prompts, policy=policy, sampler=sampler)
     return Pipeline(plan, cache, kv, runner)

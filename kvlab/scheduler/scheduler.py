@@ -316,6 +316,7 @@ class Scheduler:
             return False
         tables = [t[: self.kv.blocks_for(prompt_len)] for t in self.kv.block_tables[parent.request_id]]
         self.kv.allocate_slots(child, 0, PrefixHit(tables, prompt_len))  # one table per KV group
+        self.kv.fork_state(parent, child)  # a hybrid's recurrent state after the prompt, copied
         child.num_computed_tokens = prompt_len
         self.kv.truncate(child, prompt_len)  # the shared partial block becomes the child's own copy
         child.status = RequestStatus.RUNNING

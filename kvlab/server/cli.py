@@ -330,6 +330,13 @@ def print_plan(args, options: dict, file=None):
     print(f"  weights            {_gb(weights):>12}", file=file)
     print(f"  KV pool            {_gb(plan.nbytes):>12}   {plan.num_blocks:,} blocks × {plan.block_size} tokens = "
           f"{plan.num_tokens:,} tokens, {plan.bytes_per_token:,} B per token ({plan.source})", file=file)  # fmt: skip
+    if plan.state is not None:  # a hybrid's recurrent layers: a constant-size state per sequence, beside the blocks
+        print(f"  state pool         {_gb(plan.state_nbytes):>12}   {plan.num_state_slots:,} sequences × "
+              f"{plan.state.bytes_per_sequence:,} B ({len(plan.state.layers)} Gated DeltaNet layers; no prefix "
+              f"caching: their state cannot be rebuilt from attention blocks)", file=file)  # fmt: skip
+    if config.mtp_layers:
+        print(f"  MTP module         {len(config.mtp_layers)} layer(s) in the checkpoint, loaded only for "
+              f"--speculative-config '{{\"method\": \"mtp\", ...}}'", file=file)  # fmt: skip
     print(f"  max concurrency    {plan.max_concurrency(max_len):12.1f}   sequences at the full {max_len:,}-token context "
           f"(more when shorter; a shared prefix is stored once)", file=file, flush=True)  # fmt: skip
     if plan.formats.is_quantized:
@@ -364,6 +371,8 @@ def print_measured(llm, plan, planned_weights: int | None, file=None) -> None:
           f"{_gb(loaded.weight_bytes)}", file=file)  # fmt: skip
     print(f"  KV pool            {_gb(plan.nbytes):>12} → {_gb(engine.cache.nbytes())}   "
           f"{engine.kv.num_blocks:,} blocks, {engine.kv.num_tokens_capacity:,} tokens", file=file)  # fmt: skip
+    if engine.cache.states is not None:
+        print(f"  state pool         {_gb(plan.state_nbytes):>12} → {_gb(engine.cache.states.nbytes())}", file=file)
     print(f"  max concurrency    {plan.max_concurrency(engine.max_model_len):12.1f} → "
           f"{engine.kv.max_concurrency(engine.max_model_len):.1f} at {engine.max_model_len:,} tokens", file=file)
     peak = peak_memory_bytes(engine.cache.device)

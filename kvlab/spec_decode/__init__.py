@@ -21,6 +21,8 @@ from kvlab.spec_decode.metrics import SpecDecodingStats, expected_tokens_per_rou
 from kvlab.spec_decode.ngram_proposer import NgramProposer
 from kvlab.spec_decode.rejection_sampler import RejectionSampler, eligible
 
+# the models whose MTP module kvlab.model.mtp runs (config.json model_type or GGUF architecture)
+MTP_ARCHITECTURES = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "qwen35", "qwen35moe", "qwen3next")
 PROBE_EVERY = 16  # a request's every 16th decode step runs plainly: the plain step the speedup is measured against
 ADAPTIVE_MIN_ROUNDS = 8  # rounds of a request before adaptive speculation judges it
 
@@ -157,16 +159,25 @@ class SpecDecoder:
         if config is None:
             return None
         model_config = loaded.config
-        if config.method == "mtp":
-            n = len(model_config.mtp_layers)
-            raise KvlabError(f"{loaded.path.name} has {n} MTP layer(s) but kvlab cannot run them as a proposer "
-                             "yet: use ngram or draft_model" if n else
-                             f"{loaded.path.name} has no MTP heads (nextn_predict_layers): use ngram or draft_model")  # fmt: skip
+        if config.method == "mtp" and not model_config.mtp_layers:
+            raise KvlabError(f"{loaded.path.name} has no MTP heads (nextn_predict_layers): use ngram or draft_model")
         if not engine_config.use_cache:
             raise KvlabError("speculative decoding needs the KV cache: drop --no-cache")
         runner, max_len = target.runner, target.pool_plan.max_model_len
         policy = runner.driver.policy  # drafts stay decode-sized: the CPU's kernels and decode backend take them
         row_cap = policy.max_kernel_rows if target.cache.device.type == "cpu" and policy.use_kernels else None
+        if config.method == "mtp":  # the model's own module (kvlab.model.mtp), loaded only now
+            from kvlab.model.mtp import load_mtp_head
+            from kvlab.spec_decode.mtp_proposer import MTPProposer
+
+            if model_config.architecture not in MTP_ARCHITECTURES:
+                raise KvlabError(f"{loaded.path.name} has {len(model_config.mtp_layers)} MTP layer(s), but kvlab runs "
+                                 f"the MTP modules of {', '.join(MTP_ARCHITECTURES)} only: use ngram or draft_model")  # fmt: skip
+            if runner.driver.decode_path(target.cache).backend is not None:
+                raise KvlabError(f"{loaded.path.name}: MTP drafts from the modules' hidden states, which the "
+                                 f"{runner.driver.decode_path().name} decode step does not return")  # fmt: skip
+            mtp = MTPProposer(load_mtp_head(loaded), loaded, engine_config, target.pool_plan, policy)
+            return cls(config, None, mtp, runner.sampler, row_cap, max_len)
         if config.method == "ngram":
             ngram = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
             return cls(config, ngram, None, runner.sampler, row_cap, max_len)
@@ -208,6 +219,11 @@ class SpecDecoder:
             for r in ready:
                 r.spec_token_ids = self.ngram.propose(r.all_token_ids, ks[r.request_id]) if ks[r.request_id] else []
         self._last_propose_s = time.perf_counter() - t0
+
+    def observe_pass(self, chunks) -> None:
+        """A target pass just ran over `chunks`: the MTP proposer keeps their hidden states (others: nothing)."""
+        if self.draft is not None and hasattr(self.draft, "observe_pass"):
+            self.draft.observe_pass(chunks)
 
     def prefill(self, plan) -> None:
         """A draft model prefills the prompts the target finishes in this step (part of their prefill)."""

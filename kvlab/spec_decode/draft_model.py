@@ -59,6 +59,9 @@ class DraftModelProposer:
         self.loaded, self.model = loaded, loaded.model
         self.vocab_size = vocab_size  # the target's: q rows are laid over it
         config, max_model_len = loaded.config, target_plan.max_model_len
+        if any(layer.label == "linear_attention" for layer in config.layers):
+            raise KvlabError(f"the draft model {name} has Gated DeltaNet layers: a draft's own rejected tokens would "
+                             "need its recurrent state rolled back, which kvlab does only for the target")  # fmt: skip
         if config.max_position_embeddings < max_model_len:
             raise KvlabError(f"the draft model's context ({config.max_position_embeddings} tokens) is shorter than "
                              f"the target's max_model_len {max_model_len}: give --max-model-len ≤ "
