@@ -17,7 +17,7 @@ from test_paged import run_all
 from test_real import reference_greedy
 from tiny_hybrid import HYBRID_ARCHS, build_tiny_hybrid
 
-from kvlab.config import EngineConfig, load_config
+from kvlab.config import EngineConfig, GatedDeltaNet, load_config
 from kvlab.engine import LLMEngine
 from kvlab.errors import KvlabError
 from kvlab.llm import LLM
@@ -282,3 +282,31 @@ def test_the_c_decode_step_is_the_modules(tiled):
     assert (ssm2[slots] - S).abs().max() < 1e-5 and torch.equal(conv2[slots], window[:, :, 1:])
     untouched = torch.tensor([1, 3])
     assert torch.equal(ssm2[untouched], ssm[untouched]) and torch.equal(conv2[untouched], conv[untouched])
+
+
+def test_lab_context_on_a_hybrid_counts_its_recurrent_layers_and_judges_by_the_bytes(tmp_path, capsys):
+    """Seed 000's claim for hybrids: the step grows only with the attention layers' cache. The lab's run
+    names the recurrent layers, and the verdict compares the step's growth with what its bytes predict."""
+    import json
+
+    from tiny_hybrid import build_tiny_hybrid
+
+    from kvlab.cli import main
+    from kvlab.lab.context import verdict
+
+    directory = build_tiny_hybrid("qwen3_5", tmp_path / "h")
+    capsys.readouterr()
+    assert main(["lab", "context", "-m", str(directory), "--quick", "-o", str(tmp_path / "out")]) == 0
+    data = json.loads((tmp_path / "out" / "results.json").read_text())["experiments"]["context"]
+    config = load_config(directory)
+    assert data["num_layers"] == config.num_layers
+    assert data["recurrent_layers"] == sum(isinstance(layer.mixer, GatedDeltaNet) for layer in config.layers) > 0
+
+    def point(context, ms, kv):
+        return {"context": context, "step": {"median_s": ms / 1e3}, "kv_bytes_read": kv,
+                "weight_bytes_read": 100e6, "kv_share": kv / (kv + 100e6), "slowdown": ms / 40}  # fmt: skip
+
+    flat = {"recurrent_layers": 3, "num_layers": 4, "points": [point(10, 40, 1e5), point(4000, 42, 6e6)]}
+    assert verdict(flat).startswith("Held: 3 of 4 layers keep a constant state")
+    grows = {**flat, "points": [point(10, 40, 1e5), point(4000, 80, 6e6)]}  # twice as slow for 6% more bytes
+    assert verdict(grows).startswith("Did not hold")

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvlab.config import GatedDeltaNet, Mamba2
 from kvlab.lab.common import Lab, Timing, greedy
 from kvlab.lab.report import held, md_table, num, pct, ratio, spread
 from kvlab.lab.sources import BLOG_POST
@@ -43,6 +44,8 @@ class ContextResult:
     points: list[ContextPoint]
     kv_bytes_per_token: int
     notes: list[str] = field(default_factory=list)
+    recurrent_layers: int = 0  # layers with a constant state instead of a KV cache (a hybrid: Qwen3.5)
+    num_layers: int = 0
 
 
 @torch.inference_mode()
@@ -72,7 +75,9 @@ def run(lab: Lab) -> ContextResult:
         points.append(ContextPoint(context, step, kv, weights, kv / (kv + weights), step.median_s / first))
         bar.update(ContextResult(points, cache.bytes_per_token(), notes))
     bar.close()
-    return ContextResult(points, cache.bytes_per_token(), notes)
+    layers = lab.loaded.config.layers
+    recurrent = sum(isinstance(layer.mixer, (GatedDeltaNet, Mamba2)) for layer in layers)
+    return ContextResult(points, cache.bytes_per_token(), notes, recurrent, len(layers))
 
 
 def table(data: dict) -> str:
@@ -91,6 +96,8 @@ def verdict(data: dict) -> str:
     if len(points) < 2:
         return "Only one context fitted the model: nothing to compare."
     first, last = points[0], points[-1]
+    if data.get("recurrent_layers"):
+        return _hybrid_verdict(data, first, last)
     ok = last["slowdown"] > 1.2
     return (
         f"{held(ok, last['slowdown'] > 1.05)}: a decode step at {num(last['context'])} tokens took "
@@ -98,4 +105,19 @@ def verdict(data: dict) -> str:
         f"{num(first['step']['median_s'] * 1e3)} ms at {num(first['context'])} ({SOURCE.short} measured 2.6× from 10 to "
         f"8,000); by then the KV cache it reads was {num(last['kv_bytes_read'] / 1e6, 0)} MB, "
         f"{pct(last['kv_share'])} of the bytes read per step."
+    )
+
+
+def _hybrid_verdict(data: dict, first: dict, last: dict) -> str:
+    """A hybrid's claim (seed 000): its step grows only with its attention layers' context, as the bytes it
+    reads predict, not with every layer's."""
+    predicted = (last["kv_bytes_read"] + last["weight_bytes_read"]) / (first["kv_bytes_read"] + first["weight_bytes_read"])
+    ok = last["slowdown"] <= max(1.2, 1.2 * predicted)
+    return (
+        f"{held(ok, last['slowdown'] <= 1.5 * predicted)}: {data['recurrent_layers']} of {data['num_layers']} layers "
+        f"keep a constant state instead of a KV cache, so only the attention layers' cache grows: "
+        f"{num(last['kv_bytes_read'] / 1e6, 0)} MB at {num(last['context'])} tokens, {pct(last['kv_share'])} of the "
+        f"bytes a step reads. The bytes predict a step {ratio(predicted)} the one at {num(first['context'])} tokens; "
+        f"it took {ratio(last['slowdown'])} ({num(last['step']['median_s'] * 1e3)} vs "
+        f"{num(first['step']['median_s'] * 1e3)} ms)."
     )
