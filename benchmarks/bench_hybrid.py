@@ -109,6 +109,30 @@ def state_bytes(path: Path) -> int:
     return calculator(load_config(path))
 
 
+def prefix_choice(layers: int, prefill_tok_s: float, block_size: int = 16) -> dict:
+    """What prefix caching for a hybrid would cost (state snapshots at block boundaries, vLLM's way) against
+    what leaving it off costs (each request recomputes the shared prefix), for the whole Qwen3.5-9B: the
+    snapshot's bytes from the calculator, the recompute time from this run's prefill rate at `layers`
+    layers scaled to all of them (a prompt's time grows with the layers it runs through)."""
+    from kvlab.config import load_config
+    from kvlab.memory.kv import kv_bytes_per_token
+    from kvlab.memory.kv import state_bytes as calculator
+
+    config = load_config("qwen3.5-9b")
+    snapshot, block_kv = calculator(config, state_dtype="bfloat16"), kv_bytes_per_token(config) * block_size
+    full_rate = prefill_tok_s * layers / config.num_layers
+    out = {"snapshot_bytes_bf16": snapshot, "kv_bytes_per_block_bf16": block_kv, "block_size": block_size,
+           "prefill_tok_s_full_model": full_rate,
+           "recompute_s": {n: n / full_rate for n in (1024, 4096)}}  # fmt: skip
+    print(f"\nprefix caching for the whole Qwen3.5-9B ({config.num_layers} layers): one state snapshot (bfloat16) is "
+          f"{snapshot / 2**20:.1f} MiB where a {block_size}-token block of its attention layers' KV is "
+          f"{block_kv / 2**10:.0f} KiB ({snapshot / block_kv:.0f}x): a snapshot at every block boundary multiplies a "
+          f"cached prefix's bytes by {1 + snapshot / block_kv:.0f}. Off, each request recomputes its shared prefix: "
+          + ", ".join(f"{n:,} tokens in {t:.1f} s" for n, t in out["recompute_s"].items())
+          + f" (this run's prefill, {prefill_tok_s:.0f} tok/s at {layers} layers, scaled to {config.num_layers})")  # fmt: skip
+    return out
+
+
 def summary(xs: list[float]) -> dict:
     return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "samples": xs}
 
@@ -157,6 +181,7 @@ def main() -> int:
     print(f"\nrandom Q4_0 blocks of Qwen3.5-9B's layer shape, {args.layers} layers, vocab {args.vocab}; constant state "
           f"{results['state_bytes_per_sequence']:,} B per sequence (float32)")  # fmt: skip
     peer.print_table(results)
+    results["prefix_caching"] = prefix_choice(args.layers, entry["kvlab"]["prefill_tok_s"]["median"])
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
     return 0

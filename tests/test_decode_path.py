@@ -81,6 +81,7 @@ def test_show_names_the_path_from_the_description_alone(tmp_path):
     assert set(C_STEP_ACTIVATIONS) == set(activation_ids())  # the list show uses is decode.c's own
     for kind in ("llama", "gemma3"):
         assert expected_decode_path(load_config(build_tiny(kind, tmp_path / kind, head_dim=32))).reason is None
-    for name in ("deepseek-v3", "qwen3.5-35b-a3b", "nemotron-h-56b"):  # MLA, linear attention, Mamba
+    assert expected_decode_path(load_config("qwen3.5-35b-a3b")).name == "cpu-c"  # Gated DeltaNet + MoE
+    for name in ("deepseek-v3", "nemotron-h-56b"):  # MLA, Mamba
         path = expected_decode_path(load_config(name))
         assert path.backend is None and path.reason.startswith("layer "), name

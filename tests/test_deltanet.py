@@ -190,10 +190,12 @@ def test_real_shapes_plan_kvlab_mems_state(name):
     assert plan.nbytes + plan.state_nbytes <= 1 << 30
 
 
-def test_decode_path_names_the_recurrent_layer(pair):
-    from kvlab.backends import choose_decode_path
+def test_decode_steps_run_on_the_c_backend(pair):
+    from kvlab.backends import choose_decode_path, expected_decode_path
 
-    assert "GatedDeltaNet" in choose_decode_path(pair[2].model).reason
+    path = choose_decode_path(pair[2].model)
+    assert path.backend is not None, path.reason
+    assert expected_decode_path(pair[2].config).name == path.name == "cpu-c"
 
 
 def test_an_uneven_head_grouping_is_one_line(tmp_path):

@@ -46,13 +46,14 @@ C_STEP_EXPERTS = ("silu", "clamped_swiglu")  # moe.c's expert activations (kerne
 def expected_decode_path(config) -> DecodePath:
     """What a CPU load of `config` will run decode steps on, from the description alone (no torch: for
     `kvlab show`); the load's own choice (`choose_decode_path`) also checks weights, dtype and cache."""
-    from kvlab.config.layers import Attention, DenseMLP, MoE
+    from kvlab.config.layers import Attention, DenseMLP, GatedDeltaNet, MoE
 
     for i, layer in enumerate(config.layers):
         mixer, mlp = layer.mixer, layer.mlp
-        if not isinstance(mixer, Attention) or mixer.output_gate or mixer.clip_qkv is not None:
+        recurrent = isinstance(mixer, GatedDeltaNet) and mixer.value_head_dim <= 1024
+        if not recurrent and (not isinstance(mixer, Attention) or mixer.clip_qkv is not None):
             return DecodePath(None, f"layer {i}: a {type(mixer).__name__} mixer the C step does not compute")
-        if mixer.head_dim % 8 or mixer.head_dim > C_STEP_MAX_HEAD_DIM:
+        if not recurrent and (mixer.head_dim % 8 or mixer.head_dim > C_STEP_MAX_HEAD_DIM):
             return DecodePath(None, f"layer {i}: head_dim {mixer.head_dim}")
         dense = isinstance(mlp, DenseMLP) and mlp.gated and mlp.activation in C_STEP_ACTIVATIONS
         moe = isinstance(mlp, MoE) and mlp.routing in C_STEP_ROUTINGS and mlp.activation in C_STEP_EXPERTS

@@ -19,6 +19,13 @@ fp8_e4m3 (K and V apart, Hadamard-rotated or not): the C side writes the new K/V
 the bytes `formats.encode` writes, and attends over the stored codes, each row decoded as it is read.
 A model with sliding-window layers has one block table per KV group of layers (kv/layout.py): each
 layer reads its group's tables and slots, from the first key its window shows.
+
+A hybrid's Gated DeltaNet layers (Qwen3.5, Qwen3-Next) are layers of the same step: their mixer is
+described as a `DeltaNetDesc` (kernels/deltanet.c runs in_proj, the conv, the delta rule on the state
+pool's slots, the gated norm and out_proj), their attention layers take the output gate and partial
+rotary. The pool is brought to the pass's positions once (`StatePool.begin`) before the layers run.
+Forward hooks on a decoder layer (the MTP proposer's, which reads the last layer's output) are called
+with the layer's output as if the module had run.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ from kvlab.backends.cpu_linear import describe_linear
 from kvlab.kernels import gemv
 from kvlab.kernels.decode import (
     MAX_HEAD_DIM,
+    DeltaNetDesc,
     KVStore,
     LayerDesc,
     LinearDesc,
@@ -57,10 +65,12 @@ class CpuDecodeBackend:
         self._keep = keep  # tensors the descriptions point at that the model does not hold (1 + w)
         self._checked: dict[int, str | None] = {}  # id(cache) → cache_reason, asked once per cache
         self.kv_ids = kv_format_ids()  # decode.c's id of each KV storage format, asked once
-        attns = [layer.attn for layer in model.layers]
+        attns = [layer.attn for layer in model.layers if _is_attention(layer.attn)] or [None]
         c = model.config
-        self.geometry = (c.hidden_size, max(a.num_heads for a in attns), max(a.num_kv_heads for a in attns),
-                         max(a.head_dim for a in attns), max(getattr(layer.mlp, "inner", layer.mlp).intermediate_size for layer in model.layers))  # fmt: skip
+        self.geometry = (c.hidden_size, max(getattr(a, "num_heads", 0) for a in attns),
+                         max(getattr(a, "num_kv_heads", 0) for a in attns), max(getattr(a, "head_dim", 0) for a in attns),
+                         max(getattr(layer.mlp, "inner", layer.mlp).intermediate_size for layer in model.layers))  # fmt: skip
+        self.hybrid = any(d.deltanet for d in layers)
 
     @classmethod
     def build(cls, model) -> CpuDecodeBackend | str:
@@ -71,6 +81,10 @@ class CpuDecodeBackend:
         mismatch = struct_mismatch(lib)
         if mismatch:
             return f"decode.c and decode.py disagree: {mismatch}"
+        from kvlab.model.transformer import Transformer
+
+        if not isinstance(model, Transformer):  # an MTP head: its pass feeds hidden states, not embeddings
+            return f"a {type(model).__name__}, not the decoder the C step runs (embeddings, layers, norm, head)"
         if model.device.type != "cpu":
             return f"the model is on {model.device.type}"
         if model.dtype != torch.float32:
@@ -100,7 +114,9 @@ class CpuDecodeBackend:
         tokens = input_ids.shape[1]
         if not isinstance(meta, PagedMetadata) or not policy.kernel_sized(tokens) or self.cache_reason(cache):
             return False
-        if any(layer.attn.attend is not sdpa_attention for layer in self.model.layers):  # set_attention since
+        if any(_is_attention(layer.attn) and layer.attn.attend is not sdpa_attention for layer in self.model.layers):
+            return False  # the lab's set_attention since
+        if self.hybrid and not _one_decode_segment(getattr(meta, "states", None), tokens):
             return False
         for view in meta.kv_groups:
             if len(view.groups) != 1:
@@ -127,27 +143,49 @@ class CpuDecodeBackend:
                         scratch.data_ptr(), int(cache.formats.rotate_k), int(cache.formats.rotate_v))  # fmt: skip
         moe_scratch = self._moe_scratch(B)  # the MoE layers' output [B, E] and working rows, or None
         step.moe_scratch = moe_scratch.data_ptr() if moe_scratch is not None else None
+        mixer_scratch = torch.empty(max(self._mixer_floats(d, B) for d in self.layers))
+        step.mixer_scratch = mixer_scratch.data_ptr()
+        if self.hybrid:  # the recurrent states at the pass's positions; each sequence's slot
+            cache.states.begin(meta.states)
+            state_slots = torch.tensor(meta.states.segments[0].slots, dtype=torch.int64)
+            step.state_slots = state_slots.data_ptr()
         angles = {}  # one cos/sin lookup per rotary table: [B, D] each
         run_layer = self.lib["layer"]
         for i, (desc, layer) in enumerate(zip(self.layers, model.layers)):
-            rope = layer.attn.rope
-            if rope not in angles:
-                table = model._rotary_of(rope)
-                angles[rope] = (table.cos[positions].contiguous(), table.sin[positions].contiguous())
-            cos, sin = angles[rope]
-            view = groups[cache.placement[i][0]]
-            step.cos, step.signed_sin = cos.data_ptr(), sin.data_ptr()
-            step.slots, step.block_tables, step.table_stride = view.slots, view.tables_ptr, view.stride
-            step.num_keys, step.first_key = view.num_keys_ptr, view.first_key(layer.attn.window)
-            step.k, step.v = _store(k_fmt, cache.k_parts[i]), _store(v_fmt, cache.v_parts[i])
-            if run_layer(ctypes.byref(desc), ctypes.byref(step), x.data_ptr(), policy.threads):
+            if desc.deltanet:
+                index = layer.attn.state_index
+                step.conv_state, step.ssm_state = cache.states.conv[index].data_ptr(), cache.states.ssm[index].data_ptr()
+            else:
+                rope, kv = layer.attn.rope, layer.attn.layer_index  # kv: its layer among those the cache holds
+                if rope not in angles:
+                    table = model._rotary_of(rope)
+                    angles[rope] = (table.cos[positions].contiguous(), table.sin[positions].contiguous())
+                cos, sin = angles[rope]
+                view = groups[cache.placement[kv][0]]
+                step.cos, step.signed_sin = cos.data_ptr(), sin.data_ptr()
+                step.slots, step.block_tables, step.table_stride = view.slots, view.tables_ptr, view.stride
+                step.num_keys, step.first_key = view.num_keys_ptr, view.first_key(layer.attn.window)
+                step.k, step.v = _store(k_fmt, cache.k_parts[kv]), _store(v_fmt, cache.v_parts[kv])
+            status = run_layer(ctypes.byref(desc), ctypes.byref(step), x.data_ptr(), policy.threads)
+            if status == -1:
                 self._rank_failed(i)
+            if status:
+                raise ValueError(f"layer {i}: the C step refused its Gated DeltaNet's sizes")
+            if layer._forward_hooks:  # what the module's own call would show them: its output [1, B, E]
+                for hook in list(layer._forward_hooks.values()):
+                    hook(layer, (), x[None].clone())
         x = x[logits_index]  # [S, E]
         logits = model.lm_head(model.norm(x[None])).float()  # [1, S, V]
         if model.logit_softcap is not None:
             logits = torch.tanh(logits / model.logit_softcap) * model.logit_softcap
         return logits
 
+
+    def _mixer_floats(self, desc: LayerDesc, B: int) -> int:
+        """Floats of Step.mixer_scratch a layer needs: its DeltaNet's working rows, or its attention's gate."""
+        if desc.deltanet:
+            return self.lib["deltanet_scratch_floats"](desc.deltanet, B)
+        return B * desc.heads * desc.head_dim if desc.gate.num_parts else 1
 
     def _moe_scratch(self, B: int) -> torch.Tensor | None:
         moes = [d.moe.contents for d in self.layers if d.moe]
@@ -211,7 +249,23 @@ def _cache_reason(cache) -> str | None:
             return f"{side} stored as {fmt.name}, a format decode.c does not read"
     if not all(t.is_contiguous() and t.device.type == "cpu" for t in cache.tensors()):
         return "the KV cache's tensors are not contiguous CPU tensors"
+    states = getattr(cache, "states", None)
+    if states is not None and not all(t.dtype == torch.float32 and t.is_contiguous() for t in states.tensors()):
+        return "the recurrent states are not float32 (the C step updates float32 states)"
     return None
+
+
+def _is_attention(mixer) -> bool:
+    """A softmax-attention mixer (kvlab.model.transformer.Attention), not a recurrent one."""
+    return hasattr(mixer, "qkv_proj")
+
+
+def _one_decode_segment(states, tokens: int) -> bool:
+    """Whether a hybrid's pass is one batched decode segment over its rows in order (deltanet.c's step)."""
+    if states is None or len(states.segments) != 1:
+        return False
+    seg = states.segments[0]
+    return seg.kind == "decode" and seg.rows == tuple(range(tokens))
 
 
 # ---- the description of a layer, read from its modules --------------------------------------------
@@ -225,17 +279,16 @@ def _describe(model, layer, keep: list, lib) -> LayerDesc | str:
     from kvlab.model.moe import MoEBlock
     from kvlab.model.transformer import DecoderLayer, SandwichDecoderLayer
 
+    from kvlab.model.deltanet import GatedDeltaNet
+
     attn, mlp, eps = layer.attn, layer.mlp, model.config.rms_norm_eps
-    if not hasattr(attn, "qkv_proj"):  # multi-head latent attention (kvlab.model.mla), ...
+    deltanet = isinstance(attn, GatedDeltaNet)
+    if not deltanet and not _is_attention(attn):  # multi-head latent attention (kvlab.model.mla)
         return f"its {type(attn).__name__} mixer is not one decode.c computes"
-    if attn.attend is not sdpa_attention:
+    if not deltanet and attn.attend is not sdpa_attention:
         return "the lab's materialized attention"
-    if attn.clip_qkv is not None:
+    if not deltanet and attn.clip_qkv is not None:
         return "q, k and v clamped (OLMoE's clip_qkv)"
-    if getattr(attn, "gate_proj", None) is not None:
-        return "a sigmoid output gate on its attention (Qwen3.5, Qwen3-Next)"
-    if model.config.rope.partial_rotary_factor != 1.0:
-        return f"partial rotary ({model.config.rope.partial_rotary_factor:g} of each head)"
     activations = activation_ids()
     moe_reduce = getattr(mlp, "inner", None)  # a tensor-parallel shard's experts, summed over the ranks
     moe = isinstance(mlp, MoEBlock) or isinstance(moe_reduce, MoEBlock)
@@ -247,34 +300,49 @@ def _describe(model, layer, keep: list, lib) -> LayerDesc | str:
         norms = [layer.input_norm, layer.pre_mlp_norm, layer.post_attn_norm, layer.post_mlp_norm]
     else:
         return f"a {type(layer).__name__}, not a layer decode.c computes"
-    norms += [attn.q_norm, attn.k_norm]
+    norms += [None, None] if deltanet else [attn.q_norm, attn.k_norm]
     weights = [_norm_weight(n, eps, keep) if n is not None else None for n in norms]
     if any(isinstance(w, str) for w in weights):
         return next(w for w in weights if isinstance(w, str))
     # the all-reduce after o_proj and after the MLP (down_proj, or the whole mixture of experts)
-    reduce = _row_parallel(attn.o_proj, mlp if moe else mlp.down_proj, model.config.hidden_size, keep)
+    reduce = _row_parallel(attn.out_proj if deltanet else attn.o_proj, mlp if moe else mlp.down_proj,
+                           model.config.hidden_size, keep)  # fmt: skip
     if isinstance(reduce, str):
         return reduce
+    if deltanet and reduce:
+        return "a tensor-parallel shard of a Gated DeltaNet layer"
+    mixer = [] if deltanet else [attn.qkv_proj, attn.o_proj]
     if moe:
-        products = (attn.qkv_proj, attn.o_proj)
         mlp = moe_reduce if moe_reduce is not None else mlp
+        products = mixer
     else:
-        products = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        products = mixer + [mlp.gate_up_proj, mlp.down_proj]
     parts = [describe_linear(getattr(m, "inner", m) if reduce else m) for m in products]  # a shard's own matrices
     experts = describe_moe(mlp) if moe else None
-    for p in parts + [experts]:
+    recurrent = _describe_deltanet(attn, keep) if deltanet else None
+    gate = describe_linear(attn.gate_proj) if getattr(attn, "gate_proj", None) is not None else LinearDesc()
+    for p in parts + [experts, recurrent, gate]:
         if isinstance(p, str):
             return p
+    if deltanet:
+        parts = [LinearDesc(), LinearDesc()] + parts  # no q/k/v or o
     if moe:
         parts += [LinearDesc(), LinearDesc()]  # the dense gate/up and down: none
     attn_norm, mlp_norm, attn_out, mlp_out, q_norm, k_norm = weights
-    scale = attn.scale if attn.scale is not None else 1.0 / math.sqrt(attn.head_dim)  # SDPA's default
+    heads, kv_heads, head_dim = (0, 0, 0) if deltanet else (attn.num_heads, attn.num_kv_heads, attn.head_dim)
+    scale = 0.0 if deltanet else attn.scale if attn.scale is not None else 1.0 / math.sqrt(head_dim)  # SDPA's default
     activation = 0 if moe else activations[mlp.activation]
-    desc = LayerDesc(model.config.hidden_size, attn.num_heads, attn.num_kv_heads, attn.head_dim,
-                     mlp.intermediate_size, eps, scale, activation, attn.window or 0,
+    desc = LayerDesc(model.config.hidden_size, heads, kv_heads, head_dim, mlp.intermediate_size, eps, scale,
+                     activation, 0 if deltanet else attn.window or 0,
                      attn_norm, mlp_norm, attn_out, mlp_out, q_norm, k_norm, *parts)  # fmt: skip
-    desc.qk_norm_whole = int(attn.qk_norm_whole)
-    if attn.sinks is not None:
+    desc.gate = gate
+    if deltanet:
+        keep.append(recurrent)
+        desc.deltanet = ctypes.pointer(recurrent)
+    else:
+        desc.rotary_dim = model._rotary_of(attn.rope).cos.shape[-1]  # the table's width: head_dim, or partial rotary's
+        desc.qk_norm_whole = int(attn.qk_norm_whole)
+    if not deltanet and attn.sinks is not None:
         sinks = attn.sinks.weight
         if sinks.dtype != torch.float32 or not sinks.is_contiguous():
             return "attention sinks not float32"
@@ -286,6 +354,25 @@ def _describe(model, layer, keep: list, lib) -> LayerDesc | str:
         desc.reduce = ctypes.pointer(reduce[0])
         desc._group = reduce[1]  # for the error a lost rank gives
     return desc
+
+
+def _describe_deltanet(mixer, keep: list) -> DeltaNetDesc | str:
+    """deltanet.c's description of a Gated DeltaNet mixer (kvlab.model.deltanet), or why it cannot take it."""
+    from kvlab.model.layers import RMSNorm
+
+    if mixer.v_dim > 1024:
+        return f"a Gated DeltaNet with value heads of {mixer.v_dim} (the C step takes up to 1,024)"
+    if type(mixer.norm) is not RMSNorm:
+        return f"a Gated DeltaNet whose output norm is a {type(mixer.norm).__name__}"
+    in_proj, out = describe_linear(mixer.in_proj), describe_linear(mixer.out_proj)
+    for p in (in_proj, out):
+        if isinstance(p, str):
+            return p
+    small = [mixer.conv.weight, mixer.A_log.weight, mixer.dt_bias.weight, mixer.norm.weight]
+    if not all(t.dtype == torch.float32 and t.is_contiguous() and t.device.type == "cpu" for t in small):
+        return "a Gated DeltaNet's conv taps, A_log, dt_bias or norm not float32"
+    return DeltaNetDesc(mixer.num_k_heads, mixer.num_v_heads, mixer.k_dim, mixer.v_dim, mixer.kernel, int(mixer.tiled),
+                        mixer.norm.eps, in_proj, out, *(t.data_ptr() for t in small))  # fmt: skip
 
 
 def _row_parallel(o_proj, down_proj, hidden: int, keep: list):

@@ -31,8 +31,9 @@
 //
 // The files: step.h (the structs, written once), kv_codec.h / kv_codec.c (the KV formats: reading
 // inline, writing, the rotation), attention.c (attention over the stored codes), linear.c (a layer's
-// products, part by part through their kernels), moe.c (a mixture-of-experts MLP), and this one (the
-// layer: norms, RoPE, the new K/V written, attention, the MLP, the residuals).
+// products, part by part through their kernels), moe.c (a mixture-of-experts MLP), deltanet.c (a Gated
+// DeltaNet mixer in attention's place: Qwen3.5, Qwen3-Next), and this one (the layer: norms, RoPE, the
+// new K/V written, attention and its output gate, the MLP, the residuals).
 
 #include <math.h>
 #include <stdint.h>
@@ -55,6 +56,7 @@ void kvlab_decode_struct_sizes(int64_t* out) {
     out[4] = sizeof(Step);
     out[5] = sizeof(Reduce);
     out[6] = sizeof(Moe);
+    out[7] = sizeof(DeltaNet);
 }
 
 // Floats of scratch a step needs: qkv, attention output, a norm's output, gate/up, SiLU·up, the score
@@ -92,21 +94,18 @@ static int reduce(const Reduce* r, float* y, int64_t n) {
     return kvlab_shm_allreduce(r->segment, r->rank, r->world, r->capacity, y, n, *r->calls, r->timeout_s);
 }
 
-// x [B, hidden] float32, updated in place: x + attention(x), then + MLP(that). Returns 0, or -1 when
-// another tensor-parallel rank did not reach an all-reduce (x is then not to be used).
-int kvlab_decode_layer(const Layer* L, const Step* S, float* x, int threads) {
+// The attention of a layer: normed [B, E] (the normalised input) in, the o product's output [B, E] written
+// over it. q/k/v, their norms, RoPE, the new K/V into the cache, attention, the output gate, o.
+static void attention(const Layer* L, const Step* S, float* normed, int threads) {
     const int64_t B = S->batch, E = L->hidden, D = L->head_dim, H = L->heads, Hkv = L->kv_heads;
-    const int64_t I = L->intermediate, qkv_row = (H + 2 * Hkv) * D;
+    const int64_t qkv_row = (H + 2 * Hkv) * D;
     float* qkv = S->scratch;
     float* attn = qkv + B * qkv_row;
-    float* normed = attn + B * H * D;
-    float* gate_up = normed + B * E;
-    float* act = gate_up + B * 2 * I;
-    float* scores = act + B * I;
+    float* scores = attn + B * H * D + B * E + B * 3 * L->intermediate;  // after the norm's and the MLP's rows
     float* partial = scores + B * H * S->max_keys;
 
-    kvlab_rms_norm_f32(x, L->attn_norm, normed, B, E, L->eps);
     linear(&L->qkv, normed, qkv, B, qkv_row, threads);
+    if (L->gate.num_parts) linear(&L->gate, normed, S->mixer_scratch, B, H * D, threads);  // before o overwrites
     if (L->q_norm) {  // each head of q and of k normalised over its D values (OLMoE: all heads at once)
         const int64_t qn = L->qk_norm_whole ? 1 : H, kn = L->qk_norm_whole ? 1 : Hkv;
         for (int64_t b = 0; b < B; b++) {
@@ -115,7 +114,10 @@ int kvlab_decode_layer(const Layer* L, const Step* S, float* x, int threads) {
             kvlab_rms_norm_f32(row + H * D, L->k_norm, row + H * D, kn, Hkv * D / kn, L->eps);
         }
     }
-    kvlab_rope_f32(qkv, S->cos, S->signed_sin, B, H + Hkv, D, qkv_row);  // q heads, then k heads, per token
+    if (L->rotary_dim == D)  // q heads, then k heads, per token
+        kvlab_rope_f32(qkv, S->cos, S->signed_sin, B, H + Hkv, D, qkv_row);
+    else  // partial rotary: each head's first rotary_dim channels (the tables are that wide)
+        for (int64_t h = 0; h < H + Hkv; h++) kvlab_rope_f32(qkv + h * D, S->cos, S->signed_sin, B, 1, L->rotary_dim, qkv_row);
     for (int64_t b = 0; b < B; b++) {  // into the Hadamard basis the cache stores: q and k, v
         float* row = qkv + b * qkv_row;
         if (S->rotate_k) kvlab_hadamard_f32(row, H + Hkv, D);
@@ -129,7 +131,27 @@ int kvlab_decode_layer(const Layer* L, const Step* S, float* x, int threads) {
         }
     }
     kvlab_decode_attention(L, S, qkv, attn, scores, partial, threads);
+    if (L->gate.num_parts)  // Qwen3.5: each channel of the heads' outputs times sigmoid(its gate)
+        for (int64_t i = 0; i < B * H * D; i++) attn[i] *= 1.0f / (1.0f + expf(-S->mixer_scratch[i]));
     linear(&L->o, attn, normed, B, E, threads);
+}
+
+// x [B, hidden] float32, updated in place: x + mixer(x) (attention, or a Gated DeltaNet), then + MLP(that).
+// Returns 0, -1 when another tensor-parallel rank did not reach an all-reduce (x is then not to be used),
+// or -2 when a DeltaNet's sizes are out of the C step's range.
+int kvlab_decode_layer(const Layer* L, const Step* S, float* x, int threads) {
+    const int64_t B = S->batch, E = L->hidden, D = L->head_dim, H = L->heads, Hkv = L->kv_heads;
+    const int64_t I = L->intermediate, qkv_row = (H + 2 * Hkv) * D;
+    float* normed = S->scratch + B * qkv_row + B * H * D;
+    float* gate_up = normed + B * E;
+    float* act = gate_up + B * 2 * I;
+
+    kvlab_rms_norm_f32(x, L->attn_norm, normed, B, E, L->eps);
+    if (L->deltanet) {
+        if (kvlab_deltanet_mixer(L->deltanet, S, normed, E, threads)) return -2;
+    } else {
+        attention(L, S, normed, threads);
+    }
     if (reduce(L->reduce, normed, B * E)) return -1;
     add_residual(x, normed, L->attn_out_norm, B, E, L->eps);
 
@@ -155,4 +177,3 @@ int kvlab_decode_layer(const Layer* L, const Step* S, float* x, int threads) {
     add_residual(x, normed, L->mlp_out_norm, B, E, L->eps);
     return 0;
 }
-

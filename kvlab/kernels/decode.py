@@ -16,7 +16,7 @@ import torch
 
 from kvlab.kernels import gemv
 
-MAX_PARTS = 3
+MAX_PARTS = 4
 FLOAT_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 BLOCKS = 3
 MXFP4_BLOCKS = 4  # mxfp4.c's format (not one of quant.c's)
@@ -53,6 +53,17 @@ class MoeDesc(ctypes.Structure):
                 ("shared_gate_up", LinearDesc), ("shared_down", LinearDesc), ("shared_gate", LinearDesc)]  # fmt: skip
 
 
+class DeltaNetDesc(ctypes.Structure):
+    """A Gated DeltaNet mixer (step.h's DeltaNet): its sizes, in_proj's four parts (conv input, z, b, a), out_proj,
+    the conv taps, A_log, dt_bias and the per-head output norm."""
+
+    _fields_ = [("key_heads", ctypes.c_int64), ("value_heads", ctypes.c_int64), ("key_dim", ctypes.c_int64),
+                ("value_dim", ctypes.c_int64), ("conv_kernel", ctypes.c_int64), ("tiled", ctypes.c_int32),
+                ("norm_eps", ctypes.c_float), ("in_proj", LinearDesc), ("out", LinearDesc),
+                ("conv_weight", ctypes.c_void_p), ("A_log", ctypes.c_void_p), ("dt_bias", ctypes.c_void_p),
+                ("norm", ctypes.c_void_p)]  # fmt: skip
+
+
 class LayerDesc(ctypes.Structure):
     _fields_ = [("hidden", ctypes.c_int64), ("heads", ctypes.c_int64), ("kv_heads", ctypes.c_int64),
                 ("head_dim", ctypes.c_int64), ("intermediate", ctypes.c_int64), ("eps", ctypes.c_float),
@@ -61,7 +72,8 @@ class LayerDesc(ctypes.Structure):
                 ("mlp_out_norm", ctypes.c_void_p), ("q_norm", ctypes.c_void_p), ("k_norm", ctypes.c_void_p),
                 ("qkv", LinearDesc), ("o", LinearDesc), ("gate_up", LinearDesc), ("down", LinearDesc),
                 ("reduce", ctypes.POINTER(ReduceDesc)), ("qk_norm_whole", ctypes.c_int32),
-                ("sinks", ctypes.c_void_p), ("moe", ctypes.POINTER(MoeDesc))]  # fmt: skip
+                ("sinks", ctypes.c_void_p), ("moe", ctypes.POINTER(MoeDesc)), ("gate", LinearDesc),
+                ("rotary_dim", ctypes.c_int64), ("deltanet", ctypes.POINTER(DeltaNetDesc))]  # fmt: skip
 
 
 class KVStore(ctypes.Structure):
@@ -76,7 +88,9 @@ class StepDesc(ctypes.Structure):
                 ("slots", ctypes.c_void_p), ("block_tables", ctypes.c_void_p), ("table_stride", ctypes.c_int64),
                 ("num_keys", ctypes.c_void_p), ("first_key", ctypes.c_void_p), ("max_keys", ctypes.c_int64),
                 ("scratch", ctypes.c_void_p),
-                ("rotate_k", ctypes.c_int32), ("rotate_v", ctypes.c_int32), ("moe_scratch", ctypes.c_void_p)]  # fmt: skip
+                ("rotate_k", ctypes.c_int32), ("rotate_v", ctypes.c_int32), ("moe_scratch", ctypes.c_void_p),
+                ("conv_state", ctypes.c_void_p), ("ssm_state", ctypes.c_void_p), ("state_slots", ctypes.c_void_p),
+                ("mixer_scratch", ctypes.c_void_p)]  # fmt: skip
 
 
 MAX_HEAD_DIM = 512  # decode.c's row buffers
@@ -107,7 +121,7 @@ def _names(what: str) -> dict[str, int]:
 
 
 STRUCTS = {"Part": Part, "LinearDesc": LinearDesc, "LayerDesc": LayerDesc, "KVStore": KVStore, "StepDesc": StepDesc,
-           "ReduceDesc": ReduceDesc, "MoeDesc": MoeDesc}
+           "ReduceDesc": ReduceDesc, "MoeDesc": MoeDesc, "DeltaNetDesc": DeltaNetDesc}
 
 
 def struct_mismatch(lib) -> str | None:
@@ -124,7 +138,9 @@ def library():
     """decode.c's bound functions, None where the library could not be built (gemv.build_error says why)."""
     gemv._ensure_loaded()
     lib = gemv._state.get("lib")
-    if gemv._decode and lib is not None and "moe_scratch_floats" not in gemv._decode:  # moe.c's, bound here
+    if gemv._decode and lib is not None and "moe_scratch_floats" not in gemv._decode:  # moe.c's, deltanet.c's
         gemv._decode["moe_scratch_floats"] = gemv._bind(lib, "kvlab_moe_scratch_floats",
                                                         [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64], ctypes.c_int64)  # fmt: skip
+        gemv._decode["deltanet_scratch_floats"] = gemv._bind(lib, "kvlab_deltanet_scratch_floats",
+                                                             [ctypes.c_void_p, ctypes.c_int64], ctypes.c_int64)  # fmt: skip
     return gemv._decode or None

@@ -8,6 +8,10 @@
 //     S ← e^{g} S;  δ = β (v − Sᵀk);  S ← S + k δᵀ;  o = Sᵀq                     S: [Dk, Dv], row-major
 // A work item is one (sequence, value head): items never share a state, so any split gives the same bits.
 // The conv and the norms run first, per sequence, on the calling thread.
+//
+// Two entries: `kvlab_deltanet_decode_f32` (the recurrence alone, for the modules' decode rows) and
+// `kvlab_deltanet_mixer` (the whole mixer as one layer of the C decode step, decode.c: in_proj, the gates
+// β = sigmoid(b) and g = −exp(A_log)·softplus(a + dt_bias), the recurrence, the gated norm, out_proj).
 
 #include <math.h>
 #include <stdint.h>
@@ -15,9 +19,11 @@
 #include <string.h>
 
 #include "pool.h"
+#include "step.h"
 
 typedef struct {
-    const float* qkv;    // [B, C] after the conv and the norms (q scaled)
+    const float* qkv;    // [B, C] (row stride ldx) after the conv and the norms (q scaled)
+    int64_t ldx;
     const float* g;      // [B, H] log decay
     const float* beta;   // [B, H]
     float* ssm;          // [slots, H, Dk, Dv]
@@ -43,7 +49,7 @@ static void delta_items(void* ctx, uint32_t begin, uint32_t end) {
     for (uint32_t item = begin; item < end; item++) {
         int64_t b = item / j->H, h = item % j->H;
         int64_t kh = j->tiled ? h % j->Hk : h / r;
-        const float* row = j->qkv + b * j->C;
+        const float* row = j->qkv + b * j->ldx;
         const float* q = row + kh * j->Dk;
         const float* k = row + j->Hk * j->Dk + kh * j->Dk;
         const float* v = row + 2 * j->Hk * j->Dk + h * j->Dv;
@@ -72,14 +78,15 @@ static void delta_items(void* ctx, uint32_t begin, uint32_t end) {
     }
 }
 
-// mixed [B, C] (overwritten with the normalised conv output), w [C, K], conv [slots, C, K−1], ssm [slots, H, Dk, Dv]
+// The conv, the norms and the recurrence of B rows: mixed [B, C] at row stride ldx (its conv input
+// overwritten with the normalised conv output), w [C, K], conv [slots, C, K−1], ssm [slots, H, Dk, Dv]
 // → out [B, H, Dv]. Returns 0, or −1 when a size is out of range.
-int kvlab_deltanet_decode_f32(float* mixed, const float* g, const float* beta, const float* w, float* conv, float* ssm,
-                              const int64_t* slots, float* out, int64_t B, int64_t C, int64_t K, int64_t H,
-                              int64_t Hk, int64_t Dk, int64_t Dv, int tiled, int threads) {
+static int recurrence(float* mixed, int64_t ldx, const float* g, const float* beta, const float* w, float* conv,
+                      float* ssm, const int64_t* slots, float* out, int64_t B, int64_t C, int64_t K, int64_t H,
+                      int64_t Hk, int64_t Dk, int64_t Dv, int tiled, int threads) {
     if (Dv > 1024 || K < 1 || Hk < 1 || H % Hk) return -1;
     for (int64_t b = 0; b < B; b++) {
-        float* x = mixed + b * C;
+        float* x = mixed + b * ldx;
         float* state = conv + slots[b] * C * (K - 1);
         for (int64_t c = 0; c < C; c++) {
             float* s = state + c * (K - 1);
@@ -97,7 +104,59 @@ int kvlab_deltanet_decode_f32(float* mixed, const float* g, const float* beta, c
             l2norm(x + Hk * Dk + kh * Dk, Dk, 1.0f);
         }
     }
-    DeltaJob job = {mixed, g, beta, ssm, slots, out, C, H, Hk, Dk, Dv, tiled};
+    DeltaJob job = {mixed, ldx, g, beta, ssm, slots, out, C, H, Hk, Dk, Dv, tiled};
     kvlab_pool_run(delta_items, &job, (uint32_t)(B * H), 1, threads);
+    return 0;
+}
+
+// mixed [B, C] (overwritten with the normalised conv output), w [C, K], conv [slots, C, K−1], ssm [slots, H, Dk, Dv]
+// → out [B, H, Dv]. Returns 0, or −1 when a size is out of range.
+int kvlab_deltanet_decode_f32(float* mixed, const float* g, const float* beta, const float* w, float* conv, float* ssm,
+                              const int64_t* slots, float* out, int64_t B, int64_t C, int64_t K, int64_t H,
+                              int64_t Hk, int64_t Dk, int64_t Dv, int tiled, int threads) {
+    return recurrence(mixed, C, g, beta, w, conv, ssm, slots, out, B, C, K, H, Hk, Dk, Dv, tiled, threads);
+}
+
+// ---- the whole mixer, as a layer of the decode step ---------------------------------------------
+
+static inline int64_t conv_channels(const DeltaNet* d) {
+    return 2 * d->key_heads * d->key_dim + d->value_heads * d->value_dim;
+}
+
+// in_proj's outputs of a row: the conv input, z, b, a
+static inline int64_t projected(const DeltaNet* d) { return conv_channels(d) + d->value_heads * (d->value_dim + 2); }
+
+int64_t kvlab_deltanet_scratch_floats(const DeltaNet* d, int64_t batch) {
+    const int64_t H = d->value_heads;
+    return batch * (projected(d) + 2 * H + H * d->value_dim);  // in_proj's outputs, g and β, the heads' outputs
+}
+
+// PyTorch's softplus (beta 1, threshold 20): x itself above the threshold
+static inline float softplus(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
+
+int kvlab_deltanet_mixer(const DeltaNet* d, const Step* S, float* x, int64_t hidden, int threads) {
+    const int64_t B = S->batch, H = d->value_heads, Dv = d->value_dim, C = conv_channels(d), P = projected(d);
+    float* proj = S->mixer_scratch;  // [B, P]: conv input | z | b | a
+    float* g = proj + B * P;         // [B, H]
+    float* beta = g + B * H;         // [B, H]
+    float* o = beta + B * H;         // [B, H, Dv]
+    kvlab_decode_linear(&d->in_proj, x, proj, B, P, threads);
+    for (int64_t b = 0; b < B; b++) {
+        const float *bs = proj + b * P + C + H * Dv, *as = bs + H;
+        for (int64_t h = 0; h < H; h++) {
+            beta[b * H + h] = 1.0f / (1.0f + expf(-bs[h]));
+            g[b * H + h] = -expf(d->A_log[h]) * softplus(as[h] + d->dt_bias[h]);
+        }
+    }
+    if (recurrence(proj, P, g, beta, d->conv_weight, S->conv_state, S->ssm_state, S->state_slots, o, B, C,
+                   d->conv_kernel, H, d->key_heads, d->key_dim, Dv, d->tiled, threads))
+        return -1;
+    kvlab_rms_norm_f32(o, d->norm, o, B * H, Dv, d->norm_eps);  // each head over its Dv values
+    for (int64_t b = 0; b < B; b++) {  // times silu(z)
+        const float* z = proj + b * P + C;
+        float* ob = o + b * H * Dv;
+        for (int64_t i = 0; i < H * Dv; i++) ob[i] *= silu(z[i]);
+    }
+    kvlab_decode_linear(&d->out, o, x, B, hidden, threads);
     return 0;
 }

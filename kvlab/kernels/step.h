@@ -29,7 +29,7 @@ void kvlab_rms_norm_f32(const float* x, const float* w, float* y, int64_t rows, 
 void kvlab_rope_f32(float* x, const float* cos, const float* signed_sin, int64_t tokens, int64_t heads, int64_t d,
                     int64_t token_stride);
 
-#define MAX_PARTS 3
+#define MAX_PARTS 4
 
 // One matrix of a linear layer: a float matrix (kind FLOAT_*, one part, row-major [rows, n]) or the
 // blocks of a GGUF format (kind BLOCKS, `fmt` a quant.c id, `ldw` bytes per row; kind MXFP4_BLOCKS:
@@ -69,6 +69,24 @@ typedef struct {
     Linear shared_gate_up, shared_down, shared_gate;  // the shared expert (shared_size > 0); its gate [1, hidden] or none
 } Moe;
 
+// A Gated DeltaNet mixer (kvlab/model/deltanet.py) in a layer's place of attention: in_proj gives each row
+// the conv input [C = 2·Hk·Dk + H·Dv] (q, k, v), the output gate z [H·Dv], b [H] and a [H]; the conv runs
+// over the sequence's last K − 1 inputs (its conv state), then the delta rule on its [H, Dk, Dv] state
+// (both in the state pool, at the step's state slots); each head's output is RMS-normalised, times silu(z),
+// and out_proj maps it back to the hidden size. `tiled`: value head h reads key head h mod Hk (llama.cpp's
+// qwen35 order), else h / (H / Hk).
+typedef struct {
+    int64_t key_heads, value_heads, key_dim, value_dim, conv_kernel;
+    int32_t tiled;
+    float norm_eps;
+    Linear in_proj, out;       // in_proj: [C + H·Dv + 2H, hidden] in the parts (conv, z, b, a); out: [hidden, H·Dv]
+    const float* conv_weight;  // [C, K]
+    const float *A_log, *dt_bias, *norm;  // [H], [H], [Dv]
+} DeltaNet;
+
+// Floats of mixer scratch (Step.mixer_scratch) a DeltaNet layer needs for a step of B rows (deltanet.c)
+int64_t kvlab_deltanet_scratch_floats(const DeltaNet* d, int64_t batch);
+
 // Floats of scratch the MoE MLP of a step of B rows needs (moe.c)
 int64_t kvlab_moe_scratch_floats(const Moe* m, int64_t batch, int64_t hidden);
 // out [B, hidden] = the mixture of experts of x [B, hidden]; scratch: kvlab_moe_scratch_floats floats
@@ -103,6 +121,9 @@ typedef struct {
     int32_t qk_norm_whole;                      // q and k normalised over all their heads at once (OLMoE)
     const float* sinks;                         // [heads]: a learned sink logit per head in the softmax (gpt-oss), or NULL
     const Moe* moe;                             // the MLP is this mixture of experts (gate_up, down unused), or NULL
+    Linear gate;                                // a sigmoid gate on the attention's output [H·D, hidden] (Qwen3.5), or no parts
+    int64_t rotary_dim;                         // RoPE on each head's first rotary_dim channels (partial rotary)
+    const DeltaNet* deltanet;                   // the mixer is this Gated DeltaNet (the attention fields unused), or NULL
 } Layer;
 
 typedef struct {
@@ -119,7 +140,14 @@ typedef struct {
     float* scratch;                      // kvlab_decode_scratch_floats(...) floats
     int32_t rotate_k, rotate_v;          // keys / values stored Hadamard-rotated (KVFormats.rotate_k, _v)
     float* moe_scratch;                  // the largest kvlab_moe_scratch_floats of the model's layers, or NULL
+    float *conv_state, *ssm_state;       // a DeltaNet layer's states in the pool: [slots, C, K − 1], [slots, H, Dk, Dv]
+    const int64_t* state_slots;          // [B]: each sequence's slot in them
+    float* mixer_scratch;                // the attention gate's [B, H·D], or a DeltaNet's (kvlab_deltanet_scratch_floats)
 } Step;
+
+// A Gated DeltaNet's decode step (deltanet.c): x [B, hidden] the normalised input, overwritten with the
+// mixer's output; the layer's conv and delta-rule states updated in place. 0, or -1 for sizes out of range.
+int kvlab_deltanet_mixer(const DeltaNet* d, const Step* S, float* x, int64_t hidden, int threads);
 
 // Attention splits each sequence's keys into chunks of CHUNK_KEYS (a fixed size, so that no value
 // depends on the thread count): one work item per (sequence, chunk), every head at once. Each item

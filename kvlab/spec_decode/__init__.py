@@ -173,9 +173,6 @@ class SpecDecoder:
             if model_config.architecture not in MTP_ARCHITECTURES:
                 raise KvlabError(f"{loaded.path.name} has {len(model_config.mtp_layers)} MTP layer(s), but kvlab runs "
                                  f"the MTP modules of {', '.join(MTP_ARCHITECTURES)} only: use ngram or draft_model")  # fmt: skip
-            if runner.driver.decode_path(target.cache).backend is not None:
-                raise KvlabError(f"{loaded.path.name}: MTP drafts from the modules' hidden states, which the "
-                                 f"{runner.driver.decode_path().name} decode step does not return")  # fmt: skip
             mtp = MTPProposer(load_mtp_head(loaded), loaded, engine_config, target.pool_plan, policy)
             return cls(config, None, mtp, runner.sampler, row_cap, max_len)
         if config.method == "ngram":
