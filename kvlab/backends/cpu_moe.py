@@ -1,6 +1,7 @@
 """The CPU decode backend's description of a mixture-of-experts MLP (kernels/moe.c; step.h's Moe).
 
-    describe_moe(block)    MoeDesc for a kvlab.model.moe.MoEBlock, or why the C step cannot run it
+    describe_moe(block)          MoeDesc for a kvlab.model.moe.MoEBlock, or why the C step cannot run it
+    describe_experts(experts)    the routed experts alone (a prompt's, kvlab/kernels/moe_prefill.py)
 
 The router, the shared expert and its gate are linear layers like any other (backends/cpu.py's
 `describe_linear`); the routed experts are one LinearDesc for expert 0 with, per part, the bytes from one
@@ -27,14 +28,13 @@ from kvlab.kernels.decode import (
 
 def describe_moe(block) -> MoeDesc | str:
     """decode.c's description of a mixture of experts (moe.c), or why it cannot take it."""
-    m, experts = block.moe, block.experts
+    m = block.moe
     if m.routing not in ROUTINGS or m.activation not in EXPERT_ACTIVATIONS:
         return f"experts routed by {m.routing} with {m.activation}"
-    desc = MoeDesc(num_experts=m.num_experts, top_k=m.top_k, expert_size=m.expert_size, shared_size=m.shared_size,
-                   routing=ROUTINGS[m.routing], norm_topk_prob=int(m.norm_topk_prob),
-                   activation=EXPERT_ACTIVATIONS[m.activation], swiglu_limit=m.swiglu_limit or 0.0,
-                   swiglu_alpha=m.swiglu_alpha or 0.0)  # fmt: skip
-
+    desc = describe_experts(block.experts)
+    if isinstance(desc, str):
+        return desc
+    desc.shared_size, desc.routing, desc.norm_topk_prob = m.shared_size, ROUTINGS[m.routing], int(m.norm_topk_prob)
     linears = {"router": block.router}
     if block.shared_expert is not None:
         linears |= {"shared_gate_up": block.shared_expert.gate_up_proj, "shared_down": block.shared_expert.down_proj}
@@ -45,7 +45,20 @@ def describe_moe(block) -> MoeDesc | str:
         if isinstance(d, str):
             return d
         setattr(desc, field, d)
-    for name, in_features in (("gate_up", block.experts.hidden), ("down", m.expert_size)):
+    return desc
+
+
+def describe_experts(experts) -> MoeDesc | str:
+    """The routed experts alone (kvlab.model.experts.Experts) as moe.c reads them: their sizes, activation,
+    stacked matrices and biases; no router or shared expert (a prompt's experts, kvlab_moe_experts, take rows
+    already routed). Or why moe.c cannot take them."""
+    if experts.activation not in EXPERT_ACTIVATIONS:
+        return f"experts with {experts.activation}"
+    limit, alpha = experts.swiglu
+    desc = MoeDesc(num_experts=experts.num_experts, top_k=experts.top_k, expert_size=experts.expert_size,
+                   activation=EXPERT_ACTIVATIONS[experts.activation], swiglu_limit=limit or 0.0,
+                   swiglu_alpha=alpha or 0.0)  # fmt: skip
+    for name, in_features in (("gate_up", experts.hidden), ("down", experts.expert_size)):
         stacked = _stacked(experts, name, in_features)
         if isinstance(stacked, str):
             return stacked

@@ -1,5 +1,5 @@
-// The mixture-of-experts MLP of a decode step (step.h's Moe; kvlab/model/moe.py is the same computation
-// in PyTorch, and the oracle).
+// The mixture-of-experts MLP of a decode step (step.h's Moe; kvlab/model/moe.py, its experts run by
+// Experts.forward_by_expert, is the same computation in PyTorch, and the oracle).
 //
 // B rows (one new token per sequence) → router logits [B, E] → each row's top_k experts and weights
 // (softmax over E then top-k, renormalised or not: Qwen, OLMoE; or top-k of the logits then softmax over
@@ -8,8 +8,12 @@
 // bus once per step, whatever the number of rows that chose it, and an expert nobody chose is never read.
 // Outputs are added into `out` expert by expert in ascending order, as the modules' index_add does; the
 // shared expert (Qwen2-MoE), scaled by sigmoid(its gate), is added last.
+//
+// A prompt's experts (kvlab_moe_experts, below) take the same path for rows the modules routed: the
+// Experts module's forward on a CPU (kernels/moe_prefill.py).
 
 #include <math.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -159,5 +163,158 @@ void kvlab_moe(const Moe* m, const float* x, float* out, int64_t B, int64_t hidd
     for (int64_t b = 0; b < B; b++) {
         const float g = m->shared_gate.num_parts ? 1.0f / (1.0f + expf(-gate[b])) : 1.0f;
         for (int64_t c = 0; c < hidden; c++) out[b * hidden + c] += g * y[b * hidden + c];
+    }
+}
+
+// ---- a prompt's experts ---------------------------------------------------------------------------
+// A prompt chunk's N rows, already routed (weights and ids [N, k] from kvlab/model/moe.py's `route`, any
+// of its routings): the Experts module's forward in one call. Its per-expert loop from Python cost a pool
+// dispatch and a few PyTorch ops per expert and matrix, and those ops woke PyTorch's OpenMP workers, which
+// then spun on the cores the pool's threads needed. Here the rows are grouped by expert, each expert's rows
+// cut into tiles of TILE_ROWS (quant.c's rows per pass over the blocks: the blocks are decoded once per
+// tile), and the tiles of every chosen expert are one job for the pool: gather, gate/up, activation, down,
+// each tile on one thread. A row's numbers do not depend on the rows beside it (quant.c's kernels), so the
+// tiling, the threads and N change no bit. Then each row sums its experts' weighted outputs in ascending
+// expert order, each product rounded before it is added, as the module's index_add does. Rows go through in
+// rounds of as many as the pairs' outputs of ROUND_FLOATS floats allow (1,024 rows of Qwen3-30B-A3B's: at
+// 8 of 128 experts, about 64 rows per expert), so that the scratch stays bounded.
+
+#define TILE_ROWS 32            // rows per tile: quant.c's MAX_M, one pass over the expert's blocks
+#define ROUND_FLOATS (1 << 24)  // the (row, slot) pairs' outputs of one round: 64 MiB
+#define MAX_SLOTS 64            // threads, each with its own tile buffers
+
+// The ints of one round's grouping: order and where [pairs], each tile's expert and first pair [tiles + 1]
+static int64_t grouping_ints(const Moe* m, int64_t rows) {
+    const int64_t pairs = rows * m->top_k, tiles = pairs / TILE_ROWS + m->num_experts;
+    return 2 * pairs + 2 * (tiles + 1) + m->num_experts + 1;
+}
+
+static int64_t work_floats(const Moe* m, int64_t hidden) {  // one thread's tile: rows, gate/up, activation
+    return TILE_ROWS * (hidden + 3 * m->expert_size);
+}
+
+static int64_t round_rows(const Moe* m, int64_t hidden) {  // rows per round of grouping and summing
+    const int64_t rows = ROUND_FLOATS / (m->top_k * hidden);
+    return rows > 1 ? rows : 1;
+}
+
+// Floats of scratch kvlab_moe_experts needs for `rows` rows (taken round_rows at a time): the grouping (as
+// int32), every pair's output [pairs, hidden], and one tile's buffers per thread.
+int64_t kvlab_moe_experts_scratch_floats(const Moe* m, int64_t rows, int64_t hidden, int threads) {
+    rows = rows < round_rows(m, hidden) ? rows : round_rows(m, hidden);
+    threads = threads < 1 ? 1 : threads > MAX_SLOTS ? MAX_SLOTS : threads;
+    return grouping_ints(m, rows) + rows * m->top_k * hidden + threads * work_floats(m, hidden);
+}
+
+// One round's tiles: tile t computes pairs first[t] .. first[t + 1] of `order` (all of expert[t]'s, or
+// TILE_ROWS of them), writing each pair's output at its place in y.
+typedef struct {
+    const Moe* m;
+    const float* x;  // [rows, hidden]
+    int64_t hidden;
+    const int32_t *order, *expert, *first;
+    float* y;                // [pairs, hidden]
+    float* work;             // `slots` tile buffers of work_floats each
+    _Atomic uint64_t taken;  // the buffers in use, one bit each
+} Tiles;
+
+// A free tile buffer: at most `threads` tasks of a job run at once (the caller and its helpers), and
+// there are as many buffers.
+static int take_slot(Tiles* t) {
+    for (;;) {
+        uint64_t taken = atomic_load_explicit(&t->taken, memory_order_relaxed);
+        const int s = __builtin_ctzll(~taken);
+        if (atomic_compare_exchange_weak_explicit(&t->taken, &taken, taken | (uint64_t)1 << s, memory_order_acquire,
+                                                  memory_order_relaxed))
+            return s;
+    }
+}
+
+static void tile_items(void* ctx, uint32_t begin, uint32_t end) {
+    Tiles* t = ctx;
+    const Moe* m = t->m;
+    const int64_t H = t->hidden, I = m->expert_size, k = m->top_k;
+    const int s = take_slot(t);
+    float* rows = t->work + s * work_floats(m, H);
+    float* gate_up = rows + TILE_ROWS * H;
+    float* act = gate_up + TILE_ROWS * 2 * I;
+    for (uint32_t j = begin; j < end; j++) {
+        const int64_t p = t->first[j], n = t->first[j + 1] - p;
+        for (int64_t r = 0; r < n; r++) memcpy(rows + r * H, t->x + (t->order[p + r] / k) * H, H * sizeof(float));
+        const Linear gu = expert_linear(&m->gate_up, m->gate_up_stride, m->gate_up_bias, t->expert[j]);
+        const Linear dn = expert_linear(&m->down, m->down_stride, m->down_bias, t->expert[j]);
+        kvlab_decode_linear(&gu, rows, gate_up, n, 2 * I, 1);
+        activate(m, gate_up, act, n, I, m->activation);
+        kvlab_decode_linear(&dn, act, t->y + p * H, n, H, 1);
+    }
+    atomic_fetch_and_explicit(&t->taken, ~((uint64_t)1 << s), memory_order_release);
+}
+
+// Rows [begin, end) of a round: out[row] = Σ weight · y over the row's slots in ascending expert order
+typedef struct {
+    const Moe* m;
+    const float* weights;  // [rows, k]
+    const int64_t* ids;    // [rows, k]
+    const int32_t* where;  // [pairs]: each pair's place in the grouped order
+    const float* y;        // [pairs, hidden]
+    float* out;            // [rows, hidden]
+    int64_t hidden;
+} Sums;
+
+__attribute__((optimize("fp-contract=off")))  // product, then sum: the module's rounding, not an FMA's
+static void sum_items(void* ctx, uint32_t begin, uint32_t end) {
+    const Sums* s = ctx;
+    const int64_t H = s->hidden, k = s->m->top_k;
+    for (int64_t row = begin; row < end; row++) {
+        int32_t slot[k];  // the row's slots by ascending expert id (its k experts are distinct)
+        for (int64_t j = 0; j < k; j++) {
+            int64_t i = j;
+            for (; i > 0 && s->ids[row * k + slot[i - 1]] > s->ids[row * k + j]; i--) slot[i] = slot[i - 1];
+            slot[i] = (int32_t)j;
+        }
+        float* o = s->out + row * H;
+        memset(o, 0, H * sizeof(float));
+        for (int64_t j = 0; j < k; j++) {
+            const int64_t pair = row * k + slot[j];
+            const float w = s->weights[pair], *y = s->y + s->where[pair] * H;
+            for (int64_t c = 0; c < H; c++) {
+                const float product = y[c] * w;
+                o[c] += product;
+            }
+        }
+    }
+}
+
+// out [N, hidden] = Σ over each row's k experts (ids [N, k], weights [N, k]) of weight · expert(x row),
+// x [N, hidden]; scratch: kvlab_moe_experts_scratch_floats(m, N, hidden, threads) floats.
+void kvlab_moe_experts(const Moe* m, const float* x, const float* weights, const int64_t* ids, float* out, int64_t N,
+                       int64_t hidden, float* scratch, int threads) {
+    const int64_t E = m->num_experts, k = m->top_k, per_round = round_rows(m, hidden);
+    threads = threads < 1 ? 1 : threads > MAX_SLOTS ? MAX_SLOTS : threads;
+    for (int64_t r0 = 0; r0 < N; r0 += per_round) {
+        const int64_t rows = N - r0 < per_round ? N - r0 : per_round, pairs = rows * k;
+        const int64_t* round_ids = ids + r0 * k;
+        int32_t* order = (int32_t*)scratch;
+        int32_t* where = order + pairs;
+        int32_t* expert = where + pairs;
+        int32_t* first = expert + pairs / TILE_ROWS + E + 1;
+        int32_t* start = first + pairs / TILE_ROWS + E + 1;  // [E + 1]: where each expert's pairs begin
+        float* y = scratch + grouping_ints(m, rows);
+
+        // counting sort of the pairs by expert, stable: each expert's pairs in row order
+        memset(start, 0, (E + 1) * sizeof(int32_t));
+        for (int64_t i = 0; i < pairs; i++) start[round_ids[i] + 1]++;
+        for (int64_t e = 0; e < E; e++) start[e + 1] += start[e];
+        for (int64_t i = 0; i < pairs; i++) where[i] = start[round_ids[i]]++, order[where[i]] = (int32_t)i;
+        int64_t tiles = 0, p = 0;  // start[e] is now where expert e's pairs end, and the next one's begin
+        for (int64_t e = 0; e < E; e++)
+            for (; p < start[e]; p = p + TILE_ROWS < start[e] ? p + TILE_ROWS : start[e])
+                expert[tiles] = (int32_t)e, first[tiles++] = (int32_t)p;
+        first[tiles] = (int32_t)pairs;
+
+        Tiles job = {m, x + r0 * hidden, hidden, order, expert, first, y, y + pairs * hidden, 0};
+        kvlab_pool_run(tile_items, &job, (uint32_t)tiles, 1, threads);
+        Sums sums = {m, weights + r0 * k, round_ids, where, y, out + r0 * hidden, hidden};
+        kvlab_pool_run(sum_items, &sums, (uint32_t)rows, 16, threads);
     }
 }

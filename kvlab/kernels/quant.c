@@ -670,7 +670,8 @@ static inline __attribute__((always_inline)) void tile_rows(const int M, const f
         const __m512 w2 = _mm512_load_ps(wb + 2 * CK + j), w3 = _mm512_load_ps(wb + 3 * CK + j);
 #pragma GCC unroll 6
         for (int i = 0; i < M; i++) {
-            const __m512 xv = _mm512_loadu_ps(x + i * ldx + j);
+            __m512 xv = _mm512_loadu_ps(x + i * ldx + j);
+            __asm__("" : "+v"(xv));  // kept in a register: else GCC reloads it for each weight row's FMA
             a[i][0] = _mm512_fmadd_ps(w0, xv, a[i][0]), a[i][1] = _mm512_fmadd_ps(w1, xv, a[i][1]);
             a[i][2] = _mm512_fmadd_ps(w2, xv, a[i][2]), a[i][3] = _mm512_fmadd_ps(w3, xv, a[i][3]);
         }

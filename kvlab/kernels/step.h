@@ -91,6 +91,11 @@ int64_t kvlab_deltanet_scratch_floats(const DeltaNet* d, int64_t batch);
 int64_t kvlab_moe_scratch_floats(const Moe* m, int64_t batch, int64_t hidden);
 // out [B, hidden] = the mixture of experts of x [B, hidden]; scratch: kvlab_moe_scratch_floats floats
 void kvlab_moe(const Moe* m, const float* x, float* out, int64_t B, int64_t hidden, float* scratch, int threads);
+// A prompt's routed experts (rows already routed: ids, weights [N, k]; router and shared expert unused):
+// out [N, hidden] = Σ weight · expert(x); scratch: kvlab_moe_experts_scratch_floats floats (moe.c)
+int64_t kvlab_moe_experts_scratch_floats(const Moe* m, int64_t rows, int64_t hidden, int threads);
+void kvlab_moe_experts(const Moe* m, const float* x, const float* weights, const int64_t* ids, float* out, int64_t N,
+                       int64_t hidden, float* scratch, int threads);
 // y [m, l->out] (row stride ldy) = x [m, l->in] · Wᵀ + bias (decode.c), part by part into its columns
 void kvlab_decode_linear(const Linear* l, const float* x, float* y, int64_t m, int64_t ldy, int threads);
 

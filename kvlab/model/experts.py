@@ -8,7 +8,9 @@
 A token's pass reads only the experts it chose: `bytes_read_per_token` is top_k of E experts' bytes,
 and the forward multiplies each chosen expert once with every row that chose it (the C kernels when
 the rows are decode-sized or a few chunks of that, BLAS otherwise), never touching an expert nobody
-chose, so a memory-mapped file's unused experts stay on disk.
+chose, so a memory-mapped file's unused experts stay on disk. On a CPU, experts in blocks the C kernels
+read run as one C call (kernels/moe_prefill.py: every chosen expert's tiles of rows as one job of the
+pool); elsewhere `forward_by_expert` runs them expert by expert.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvlab.config import MoE
-from kvlab.kernels import current, linear
+from kvlab.kernels import current, linear, moe_prefill, quant
 from kvlab.quant.linear import PackedTensor, packed_product
 
 CHUNKED_ROWS = 4  # up to this many chunks of the kernels' rows, a packed expert's product stays on the kernels
@@ -55,6 +57,7 @@ class Experts(nn.Module):
         E, I = moe.num_experts, moe.expert_size
         self.num_experts, self.top_k, self.hidden, self.expert_size = E, moe.top_k, hidden, I
         self.act = expert_activation(moe)
+        self.activation, self.swiglu = moe.activation, (moe.swiglu_limit, moe.swiglu_alpha)  # as moe.c reads them
         self.gate_up = nn.Parameter(torch.empty(E, 2 * I, hidden), requires_grad=False)
         self.down = nn.Parameter(torch.empty(E, hidden, I), requires_grad=False)
         self.gate_up_bias = nn.Parameter(torch.empty(E, 2 * I), requires_grad=False) if moe.expert_bias else None
@@ -130,6 +133,25 @@ class Experts(nn.Module):
     # ---- the forward ------------------------------------------------------------------------------------
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        desc = self._c_description(x, weights)
+        if desc is not None:
+            return moe_prefill.experts(desc, x, weights, ids)
+        return self.forward_by_expert(x, weights, ids)
+
+    def _c_description(self, x: torch.Tensor, weights: torch.Tensor):
+        """moe.c's description of these experts when one C call takes this forward (float32 rows on a CPU,
+        both matrices in blocks the kernels read at this many rows), else None."""
+        if x.dtype != torch.float32 or weights.dtype != torch.float32 or not {"gate_up", "down"} <= self.formats.keys():
+            return None
+        if not quant.applies(x, self.formats["gate_up"] + self.formats["down"]) or not moe_prefill.available():
+            return None
+        from kvlab.backends.cpu_moe import describe_experts
+
+        desc = describe_experts(self)
+        return None if isinstance(desc, str) else desc
+
+    def forward_by_expert(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The forward in PyTorch, one chosen expert after another (each its products and an index_add)."""
         order, tokens, counts = group_by_expert(ids, self.num_experts)
         flat_weights = weights.reshape(-1)  # [N·k]
         out = torch.zeros_like(x)  # [N, hidden]
