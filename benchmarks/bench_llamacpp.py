@@ -64,11 +64,13 @@ def kvlab_worker(model: str, ids: dict[int, list[int]], threads: int, activation
     import torch
 
     from kvlab import LLM, SamplingParams
+    from kvlab.llm import settle_heap
 
     torch.set_num_threads(threads)
     t = time.perf_counter()
     llm = LLM(model, threads=threads, max_model_len=2048, max_num_seqs=1, max_num_batched_tokens=2048,
               enable_prefix_caching=False, activation_quant=activation_quant)  # fmt: skip
+    settle_heap()  # as kvlab run does after its load
     out = {"load_s": time.perf_counter() - t, "weight_format": llm.loaded.weight_format,
            "weight_bytes": llm.loaded.weight_bytes}  # fmt: skip
     engine = llm.engine

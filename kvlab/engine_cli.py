@@ -206,9 +206,9 @@ def check_model_args(args, resolve_dtype: bool = True) -> None:
 def open_llm(args, **overrides):
     """An LLM (the serving engine inside) from the model and engine flags."""
     check_model_args(args, resolve_dtype=False)  # the loader resolves "auto" from the one parse of the file
-    from kvlab.llm import LLM  # torch: only once the flags are known to be good
+    from kvlab.llm import LLM, settle_heap  # torch: only once the flags are known to be good
     options = {**engine_options(args), **overrides}
-    return LLM(
+    llm = LLM(
         args.model,
         dtype=args.dtype,
         device=args.device,
@@ -222,6 +222,8 @@ def open_llm(args, **overrides):
         rope_scaling=getattr(args, "rope_scaling", None),
         **options,
     )
+    settle_heap()  # the model lives until the command exits
+    return llm
 
 
 def open_llm_advised(args):

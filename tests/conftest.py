@@ -21,6 +21,9 @@ def pytest_configure(config):
     from pathlib import Path
 
     sys.path.insert(0, str(Path(__file__).parent))  # tests/tiny.py is importable as `tiny`
+    import os
+
+    os.environ["KVLAB_GC_FREEZE"] = "0"  # this process loads many models: see kvlab.llm.settle_heap
 
 
 def pytest_sessionstart(session):
