@@ -208,6 +208,11 @@ def print_report(llm, out, args, file) -> None:
     active = active_weights_line(llm)
     if active:
         lines.insert(1, active)
+    state = llm.engine.pool_plan.state
+    if state is not None and not args.no_cache:  # a hybrid: its recurrent layers' constant-size state
+        lines.insert(lines.index(f"KV cache   {cache}") + 1,
+                     f"state      {_mib(state.bytes_per_sequence)} for this sequence ({len(state.layers)} Gated "
+                     f"DeltaNet layers' conv windows and delta-rule matrices, whatever the context)")  # fmt: skip
     if llm.engine.spec is not None:
         lines.append(speculative_line(llm))
     path = llm.engine.decode_path

@@ -253,6 +253,17 @@ def test_serves_plan_prints_the_kv_pool_and_the_state_pool(pair, capsys):
     assert plan.nbytes + plan.state_nbytes <= 4 << 20
 
 
+def test_runs_footer_names_the_state_beside_the_kv_cache(pair, capsys):
+    from kvlab.cli import main
+
+    _, directory, _, _ = pair
+    assert main(["run", str(directory), "Hi", "--max-tokens", "3", "--threads", "1", "--dtype", "float32"]) == 0
+    err = capsys.readouterr().err
+    config = load_config(directory)
+    recurrent = sum(isinstance(layer.mixer, GatedDeltaNet) for layer in config.layers)
+    assert f"state      {state_bytes(config) / 2**20:.2f} MiB for this sequence ({recurrent} Gated DeltaNet" in err, err
+
+
 @pytest.mark.parametrize("tiled", [False, True])
 def test_the_c_decode_step_is_the_modules(tiled):
     """kernels/deltanet.c against the PyTorch recurrence: 3 sequences in slots 4, 0, 2 of a pool of 5."""
