@@ -91,6 +91,18 @@ static void activate(const Moe* m, const float* gate_up, float* act, int64_t n, 
     }
 }
 
+// One expert's n rows, each pair's input row order[r] / top_k of x: gathered, gate/up, the activation, down into y
+static void expert_rows(const Moe* m, int64_t e, const float* x, const int32_t* order, int64_t n, int64_t H,
+                        float* rows, float* gate_up, float* act, float* y) {
+    const int64_t I = m->expert_size, k = m->top_k;
+    for (int64_t r = 0; r < n; r++) memcpy(rows + r * H, x + (order[r] / k) * H, H * sizeof(float));
+    const Linear gu = expert_linear(&m->gate_up, m->gate_up_stride, m->gate_up_bias, e);
+    const Linear dn = expert_linear(&m->down, m->down_stride, m->down_bias, e);
+    kvlab_decode_linear(&gu, rows, gate_up, n, 2 * I, 1);
+    activate(m, gate_up, act, n, I, m->activation);
+    kvlab_decode_linear(&dn, act, y, n, H, 1);
+}
+
 // The chosen experts of a step, each with its rows: expert[j]'s (row, slot) pairs are order[start[j] ..
 // start[j + 1]), and its working rows sit at the same offsets of rows / gate_up / act / y.
 typedef struct {
@@ -107,16 +119,11 @@ typedef struct {
 static void expert_items(void* ctx, uint32_t begin, uint32_t end) {
     const Chosen* c = ctx;
     const Moe* m = c->m;
-    const int64_t H = c->hidden, I = m->expert_size, k = m->top_k;
+    const int64_t H = c->hidden;
     for (uint32_t j = begin; j < end; j++) {
         const int64_t s = c->start[j], n = c->start[j + 1] - s;
         float *rows = c->rows + s * H, *gate_up = c->gate_up + s * 2 * c->width, *act = c->act + s * c->width;
-        for (int64_t r = 0; r < n; r++) memcpy(rows + r * H, c->x + (c->order[s + r] / k) * H, H * sizeof(float));
-        const Linear gu = expert_linear(&m->gate_up, m->gate_up_stride, m->gate_up_bias, c->expert[j]);
-        const Linear dn = expert_linear(&m->down, m->down_stride, m->down_bias, c->expert[j]);
-        kvlab_decode_linear(&gu, rows, gate_up, n, 2 * I, 1);
-        activate(m, gate_up, act, n, I, m->activation);
-        kvlab_decode_linear(&dn, act, c->y + s * H, n, H, 1);
+        expert_rows(m, c->expert[j], c->x, c->order + s, n, H, rows, gate_up, act, c->y + s * H);
     }
 }
 
@@ -233,19 +240,14 @@ static int take_slot(Tiles* t) {
 static void tile_items(void* ctx, uint32_t begin, uint32_t end) {
     Tiles* t = ctx;
     const Moe* m = t->m;
-    const int64_t H = t->hidden, I = m->expert_size, k = m->top_k;
+    const int64_t H = t->hidden, I = m->expert_size;
     const int s = take_slot(t);
     float* rows = t->work + s * work_floats(m, H);
     float* gate_up = rows + TILE_ROWS * H;
     float* act = gate_up + TILE_ROWS * 2 * I;
     for (uint32_t j = begin; j < end; j++) {
         const int64_t p = t->first[j], n = t->first[j + 1] - p;
-        for (int64_t r = 0; r < n; r++) memcpy(rows + r * H, t->x + (t->order[p + r] / k) * H, H * sizeof(float));
-        const Linear gu = expert_linear(&m->gate_up, m->gate_up_stride, m->gate_up_bias, t->expert[j]);
-        const Linear dn = expert_linear(&m->down, m->down_stride, m->down_bias, t->expert[j]);
-        kvlab_decode_linear(&gu, rows, gate_up, n, 2 * I, 1);
-        activate(m, gate_up, act, n, I, m->activation);
-        kvlab_decode_linear(&dn, act, t->y + p * H, n, H, 1);
+        expert_rows(m, t->expert[j], t->x, t->order + p, n, H, rows, gate_up, act, t->y + p * H);
     }
     atomic_fetch_and_explicit(&t->taken, ~((uint64_t)1 << s), memory_order_release);
 }
