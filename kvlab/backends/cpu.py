@@ -35,11 +35,11 @@ import math
 
 import torch
 
+from kvlab.backends.cpu_deltanet import describe_deltanet
 from kvlab.backends.cpu_linear import describe_linear
 from kvlab.kernels import gemv
 from kvlab.kernels.decode import (
     MAX_HEAD_DIM,
-    DeltaNetDesc,
     KVStore,
     LayerDesc,
     LinearDesc,
@@ -71,6 +71,7 @@ class CpuDecodeBackend:
                          max(getattr(a, "num_kv_heads", 0) for a in attns), max(getattr(a, "head_dim", 0) for a in attns),
                          max(getattr(layer.mlp, "inner", layer.mlp).intermediate_size for layer in model.layers))  # fmt: skip
         self.hybrid = any(d.deltanet for d in layers)
+        self.mixer_floats = max(self._mixer_floats(d) for d in layers)  # Step.mixer_scratch per row of a step
 
     @classmethod
     def build(cls, model) -> CpuDecodeBackend | str:
@@ -143,7 +144,7 @@ class CpuDecodeBackend:
                         scratch.data_ptr(), int(cache.formats.rotate_k), int(cache.formats.rotate_v))  # fmt: skip
         moe_scratch = self._moe_scratch(B)  # the MoE layers' output [B, E] and working rows, or None
         step.moe_scratch = moe_scratch.data_ptr() if moe_scratch is not None else None
-        mixer_scratch = torch.empty(max(self._mixer_floats(d, B) for d in self.layers))
+        mixer_scratch = torch.empty(B * self.mixer_floats)
         step.mixer_scratch = mixer_scratch.data_ptr()
         if self.hybrid:  # the recurrent states at the pass's positions; each sequence's slot
             cache.states.begin(meta.states)
@@ -181,11 +182,11 @@ class CpuDecodeBackend:
         return logits
 
 
-    def _mixer_floats(self, desc: LayerDesc, B: int) -> int:
-        """Floats of Step.mixer_scratch a layer needs: its DeltaNet's working rows, or its attention's gate."""
+    def _mixer_floats(self, desc: LayerDesc) -> int:
+        """Floats of Step.mixer_scratch a layer needs per row: its DeltaNet's working rows, or its attention's gate."""
         if desc.deltanet:
-            return self.lib["deltanet_scratch_floats"](desc.deltanet, B)
-        return B * desc.heads * desc.head_dim if desc.gate.num_parts else 1
+            return self.lib["deltanet_scratch_floats"](desc.deltanet, 1)  # deltanet.c's: B rows need B times it
+        return desc.heads * desc.head_dim if desc.gate.num_parts else 1
 
     def _moe_scratch(self, B: int) -> torch.Tensor | None:
         moes = [d.moe.contents for d in self.layers if d.moe]
@@ -319,7 +320,7 @@ def _describe(model, layer, keep: list, lib) -> LayerDesc | str:
         products = mixer + [mlp.gate_up_proj, mlp.down_proj]
     parts = [describe_linear(getattr(m, "inner", m) if reduce else m) for m in products]  # a shard's own matrices
     experts = describe_moe(mlp) if moe else None
-    recurrent = _describe_deltanet(attn, keep) if deltanet else None
+    recurrent = describe_deltanet(attn) if deltanet else None
     gate = describe_linear(attn.gate_proj) if getattr(attn, "gate_proj", None) is not None else LinearDesc()
     for p in parts + [experts, recurrent, gate]:
         if isinstance(p, str):
@@ -354,25 +355,6 @@ def _describe(model, layer, keep: list, lib) -> LayerDesc | str:
         desc.reduce = ctypes.pointer(reduce[0])
         desc._group = reduce[1]  # for the error a lost rank gives
     return desc
-
-
-def _describe_deltanet(mixer, keep: list) -> DeltaNetDesc | str:
-    """deltanet.c's description of a Gated DeltaNet mixer (kvlab.model.deltanet), or why it cannot take it."""
-    from kvlab.model.layers import RMSNorm
-
-    if mixer.v_dim > 1024:
-        return f"a Gated DeltaNet with value heads of {mixer.v_dim} (the C step takes up to 1,024)"
-    if type(mixer.norm) is not RMSNorm:
-        return f"a Gated DeltaNet whose output norm is a {type(mixer.norm).__name__}"
-    in_proj, out = describe_linear(mixer.in_proj), describe_linear(mixer.out_proj)
-    for p in (in_proj, out):
-        if isinstance(p, str):
-            return p
-    small = [mixer.conv.weight, mixer.A_log.weight, mixer.dt_bias.weight, mixer.norm.weight]
-    if not all(t.dtype == torch.float32 and t.is_contiguous() and t.device.type == "cpu" for t in small):
-        return "a Gated DeltaNet's conv taps, A_log, dt_bias or norm not float32"
-    return DeltaNetDesc(mixer.num_k_heads, mixer.num_v_heads, mixer.k_dim, mixer.v_dim, mixer.kernel, int(mixer.tiled),
-                        mixer.norm.eps, in_proj, out, *(t.data_ptr() for t in small))  # fmt: skip
 
 
 def _row_parallel(o_proj, down_proj, hidden: int, keep: list):
