@@ -171,8 +171,7 @@ def compare_steps(engine: LLMEngine, batch: list[list[int]], max_tokens: int, mo
     compared."""
     driver, cache = engine.runner.driver, engine.cache
     run, compared = driver.run, []
-    # GeGLU (Gemma): libm's tanhf against PyTorch's vectorised tanh, an ulp apart, through six layers
-    tolerance = 1e-4 if any(layer.mlp.activation != "silu" for layer in driver.model.layers) else 1e-5
+    tolerance = 1e-5  # the gated activations are one C function on both paths (gemv.c's kvlab_gated_act_f32)
 
     def both(input_ids, kv, meta=None, logits_index=None):
         before = [t.clone() for t in cache.tensors()]
@@ -236,14 +235,44 @@ def test_keys_in_several_chunks_merge_as_one_softmax(model, k, v, monkeypatch):
 @pytest.mark.parametrize("rotation", ["off", "on"])
 @pytest.mark.parametrize("k,v", SETTINGS[:4], ids=[f"K-{k}-V-{v}" for k, v in SETTINGS[:4]])
 def test_greedy_tokens_fused_and_through_the_modules_agree(model, k, v, rotation, monkeypatch):
+    """The same tokens, step after step, until (if ever) a step whose two best logits are closer than the
+    paths' measured difference: a tie at the precision they share. Each path computes its own K and V,
+    an ulp apart here and there (libm's exp and tanh against PyTorch's vectorised ones, sums in other
+    orders), and a quantized cache can round one of them to the next code: the drift grows slowly (about
+    1e-5 to 5e-4 over 30 steps of the tiny Gemma with rotated q8_0 keys, measured), and is bounded here,
+    so a real difference between the paths still fails."""
     batch = prompts(5, seed=1) + [prompts(1, seed=1)[0] + [7, 8, 9]]  # the last one shares a prefix
     calls = []
     run = CpuDecodeBackend.run
     monkeypatch.setattr(CpuDecodeBackend, "run", lambda self, *a: calls.append(1) or run(self, *a))
-    fused = serve(engine_for(model, k, v, rotation, fused=True), batch, max_tokens=32)
+    fused, fused_logits = serve_recording(engine_for(model, k, v, rotation, fused=True), batch, monkeypatch)
     assert len(calls) >= 31  # every decode step was fused
-    plain = serve(engine_for(model, k, v, rotation, fused=False), batch, max_tokens=32)
+    plain, plain_logits = serve_recording(engine_for(model, k, v, rotation, fused=False), batch, monkeypatch)
+    for a, b in zip(fused_logits, plain_logits):
+        assert a.shape == b.shape  # the same batch in the same step, while the tokens are the same
+        drift = (a - b).abs().max().item()
+        assert drift <= 1e-3 * max(b.abs().max().item(), 1.0)
+        flipped = a.argmax(-1) != b.argmax(-1)
+        if flipped.any():
+            best = b[flipped].topk(2, dim=-1).values
+            assert (best[:, 0] - best[:, 1]).max().item() <= 2 * drift  # a tie at the paths' precision
+            return  # the sequences part here, legitimately
     assert fused == plain
+
+
+def serve_recording(engine: LLMEngine, batch: list[list[int]], monkeypatch) -> tuple[list[list[int]], list]:
+    """serve() for 32 greedy tokens, keeping the logits of every pass of the model."""
+    driver, logits = engine.runner.driver, []
+    run = driver.run
+    def recorded(*args, **kwargs):
+        out = run(*args, **kwargs)
+        logits.append(out.float().clone())
+        return out
+
+    monkeypatch.setattr(driver, "run", recorded)
+    tokens = serve(engine, batch, max_tokens=32)
+    monkeypatch.setattr(driver, "run", run)
+    return tokens, logits
 
 
 def test_the_rotation_changes_what_is_stored(model):

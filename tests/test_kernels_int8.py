@@ -112,16 +112,20 @@ def test_interleaved_parts_take_prompt_sized_passes_and_refuse_dequantizing():
     assert quant.interleave(PackedTensor("F16", (4, 8), torch.zeros(4, 16, dtype=torch.uint8))) is None
 
 
-@pytest.fixture(scope="module")
-def portable(tmp_path_factory):
-    """The kernels built without AVX-512 (where this machine has it): quant_i8.c's plain C loop."""
+_NARROWER = {"avx2": ["-mno-avx512f"], "portable": ["-mno-avx512f", "-mno-avx2", "-mno-fma"]}
+
+
+@pytest.fixture(scope="module", params=sorted(_NARROWER))
+def portable(request, tmp_path_factory):
+    """The kernels built for a narrower machine than this one: without AVX-512 (quant_i8.c's AVX2
+    products, where this machine has VNNI), or without AVX2 too (its plain C loop)."""
     compiler = shutil.which("cc") or shutil.which("gcc")
-    if compiler is None or "avx512_vnni" not in Path("/proc/cpuinfo").read_text(errors="ignore"):
-        pytest.skip("no compiler, or no AVX-512 VNNI here: the machine's own build is the portable one")
+    if compiler is None or (request.param == "avx2" and "avx512_vnni" not in Path("/proc/cpuinfo").read_text(errors="ignore")):
+        pytest.skip("no compiler, or no AVX-512 VNNI here: the machine's own build is the AVX2 one")
     here = Path(quant.__file__).parent
-    target = tmp_path_factory.mktemp("portable") / "quant.so"
+    target = tmp_path_factory.mktemp(request.param) / "quant.so"
     sources = [str(here / name) for name in ("quant.c", "quant_i8.c", "pool.c")]
-    flags = ["-O3", "-march=native", "-mno-avx512f", "-pthread", "-shared", "-fPIC", "-std=gnu11"]
+    flags = ["-O3", "-march=native", *_NARROWER[request.param], "-pthread", "-shared", "-fPIC", "-std=gnu11"]
     subprocess.run([compiler, *flags, *sources, "-o", str(target), "-lm"], check=True, capture_output=True)
     lib = ctypes.CDLL(str(target))
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
@@ -131,8 +135,9 @@ def portable(tmp_path_factory):
 
 @needs_kernel
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_the_portable_loop_gives_the_vnni_kernels_bits(portable, fmt):
-    """The same integers and the same float operations per output, in the same order: equal bits."""
+def test_the_narrower_builds_give_this_machines_bits(portable, fmt):
+    """The same integers and the same float operations per output, in the same order: equal bits
+    (VNNI, AVX2 and the plain loop alike)."""
     out, n = shapes(fmt)[1]
     part, _ = interleaved(fmt, out, n, seed=2)
     x = torch.randn(5, n, generator=torch.Generator().manual_seed(1))

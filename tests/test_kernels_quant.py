@@ -218,20 +218,23 @@ def test_packed_linear_layer_end_to_end():
         assert not quant.applies(torch.randn(1, n), layer.formats)
 
 
-# ---- the portable C path ----------------------------------------------------------------------
+# ---- the narrower builds: AVX2 on an AVX-512 machine, and the portable C path on any -----------
 
 _QUANT_C = Path(quant.__file__).with_name("quant.c")
+_NARROWER = {"avx2": ["-mno-avx512f"], "portable": ["-mno-avx512f", "-mno-avx2", "-mno-fma"]}
 
 
-@pytest.fixture(scope="module")
-def portable(tmp_path_factory):
-    """quant.c built without AVX-512 (where this machine has it): the AVX2-or-narrower code."""
+@pytest.fixture(scope="module", params=sorted(_NARROWER))
+def portable(request, tmp_path_factory):
+    """quant.c built for a narrower machine than this one: without AVX-512 (the AVX2 path, where this
+    machine has AVX-512), or without AVX2 and FMA too (the portable path that expands chunks)."""
     compiler = shutil.which("cc") or shutil.which("gcc")
-    if compiler is None or "avx512f" not in Path("/proc/cpuinfo").read_text(errors="ignore"):
-        pytest.skip("no compiler, or no AVX-512 here: the machine's own build is the portable one")
-    target = tmp_path_factory.mktemp("portable") / "quant.so"
+    flags_here = Path("/proc/cpuinfo").read_text(errors="ignore")
+    if compiler is None or (request.param == "avx2" and "avx512f" not in flags_here):
+        pytest.skip("no compiler, or no AVX-512 here: the machine's own build is the AVX2 one")
+    target = tmp_path_factory.mktemp(request.param) / "quant.so"
     sources = [str(_QUANT_C), str(_QUANT_C.with_name("quant_i8.c")), str(_QUANT_C.with_name("pool.c"))]
-    flags = ["-O3", "-march=native", "-mno-avx512f", "-pthread", "-shared", "-fPIC", "-std=gnu11"]
+    flags = ["-O3", "-march=native", *_NARROWER[request.param], "-pthread", "-shared", "-fPIC", "-std=gnu11"]
     subprocess.run([compiler, *flags, *sources, "-o", str(target), "-lm"], check=True, capture_output=True)
     lib = ctypes.CDLL(str(target))
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
@@ -253,7 +256,7 @@ def test_portable_build_gives_the_same_numbers(portable, fmt):
     x = activations(16, n, seed=8)
     y = torch.empty(16, out)
     ones = []
-    for rows in (1, 3, 16):
+    for rows in (1, 3, 5, 16):
         assert portable.kvlab_quant_matmul(fid, blocks.ctypes.data, blocks.shape[1], x.data_ptr(), y.data_ptr(),
                                            rows, n, out, out, 2) == 0  # fmt: skip
         assert relative_error(y[:rows], x[:rows], w) <= 1e-5, rows

@@ -80,12 +80,6 @@ static void add_residual(float* x, float* y, const float* out_norm, int64_t B, i
     for (int64_t i = 0; i < B * E; i++) x[i] += y[i];
 }
 
-// GELU with tanh's approximation (PyTorch's approximate="tanh", transformers' gelu_pytorch_tanh)
-static inline float gelu_tanh(float x) {
-    const float k = 0.7978845608028654f;  // sqrt(2 / pi)
-    return 0.5f * x * (1.0f + tanhf(k * (x + 0.044715f * x * x * x)));
-}
-
 // y [n] summed over the ranks in place (a row-parallel product's partial sums); 0, or -1 when a rank did
 // not arrive within the timeout
 static int reduce(const Reduce* r, float* y, int64_t n) {
@@ -164,14 +158,7 @@ int kvlab_decode_layer(const Layer* L, const Step* S, float* x, int threads) {
         return 0;
     }
     linear(&L->gate_up, normed, gate_up, B, 2 * I, threads);
-    for (int64_t b = 0; b < B; b++) {
-        const float *g = gate_up + b * 2 * I, *u = g + I;
-        float* out = act + b * I;
-        if (L->activation == ACT_GELU_TANH)
-            for (int64_t i = 0; i < I; i++) out[i] = gelu_tanh(g[i]) * u[i];
-        else
-            for (int64_t i = 0; i < I; i++) out[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
-    }
+    kvlab_gated_act_f32(gate_up, act, B, I, L->activation);  // the modules' decode-sized passes call it too
     linear(&L->down, act, normed, B, E, threads);
     if (reduce(L->reduce, normed, B * E)) return -1;
     add_residual(x, normed, L->mlp_out_norm, B, E, L->eps);

@@ -21,6 +21,7 @@
 #include <string.h>
 
 #include "pool.h"
+#include "step.h"  // the small ops' prototypes and the activations' ids
 #if defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>  // one-instruction widening of 16-bit weights where the CPU has it
 #endif
@@ -207,6 +208,22 @@ void kvlab_rms_norm_f32(const float* x, const float* w, float* y, int64_t rows, 
         for (; i < n; i++) ss += xr[i] * xr[i];
         float inv = 1.0f / sqrtf(ss / (float)n + eps);
         for (i = 0; i < n; i++) y[r * n + i] = w[i] * (xr[i] * inv);
+    }
+}
+
+// y[r, i] = act(gate) · up over `rows` rows of gate_up [rows, 2I] (gate in the first I columns): act
+// SiLU (0) or GELU with tanh's approximation (1; PyTorch's approximate="tanh"), step.h's ACT_* ids. The
+// decode step's MLP and the modules' decode-sized passes both call this, so a gated MLP gives the same
+// bits on both paths (PyTorch's vectorised tanh and exp differ from libm's by an ulp here and there).
+void kvlab_gated_act_f32(const float* gate_up, float* y, int64_t rows, int64_t I, int act) {
+    const float k = 0.7978845608028654f;  // sqrt(2 / pi)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *g = gate_up + r * 2 * I, *u = g + I;
+        float* out = y + r * I;
+        if (act == ACT_GELU_TANH)
+            for (int64_t i = 0; i < I; i++) out[i] = 0.5f * g[i] * (1.0f + tanhf(k * (g[i] + 0.044715f * g[i] * g[i] * g[i]))) * u[i];
+        else
+            for (int64_t i = 0; i < I; i++) out[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
     }
 }
 

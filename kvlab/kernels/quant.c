@@ -6,12 +6,14 @@
 // float32; quantizing them to int8, as llama.cpp does, would change the results), and at 4-5 bits a
 // weight that decoding costs more than reading it. So the AVX-512 path below decodes with as few
 // instructions as it can (codes as indices into a table of the block's values) and multiplies each
-// block by every activation row while it sits in registers; elsewhere a portable path expands each
-// chunk of a work item's rows into an L1 float buffer and multiplies that.
+// block by every activation row while it sits in registers; the AVX2 path does the same with codes
+// widened and converted (one more instruction a vector); elsewhere a portable path expands each chunk
+// of a work item's rows into an L1 float buffer and multiplies that.
 //
 // Work items are groups of ROWS output rows, claimed through the kernels' pool (pool.c). Every output
 // value is one thread's sum in one fixed order: lane-wise partial sums (in one accumulator on the
-// AVX-512 path, in two, even and odd vectors, on the portable one), folded in a fixed tree at the end.
+// AVX-512 and AVX2 paths, in two, even and odd vectors, on the portable one), folded in a fixed tree at
+// the end.
 // The bits do not depend on the number of threads, nor on how many activation rows came in the same
 // call. Each part of a fused matrix writes its own columns of y (row stride ldy).
 //
@@ -740,6 +742,290 @@ static void expand_row(int fmt, const uint8_t* row, int64_t n, float* y) {
     }
 }
 
+#if !defined(__clang__)
+#pragma GCC pop_options
+#endif
+
+// ---- AVX2: the product straight from the blocks -------------------------------------------------
+// Without AVX-512 there is no 16-entry permute to look codes up in, so codes are widened to int32
+// lanes (vpmovzxbd of 8 bytes), masked or shifted, converted and scaled: one conversion and one FMA
+// (or multiply) per 8 weights before the product's FMA. Every weight is the reference's value
+// exactly, as above: d·q, (d·sc)·q and d·sc·(q − 32) are products float32 holds exactly, then at most
+// the reference's one rounding of the add (fused here).
+//
+// One widened load of codes serves every vector whose codes it holds (a byte's two nibbles, Q6_K's
+// four uses of its high bits), so a chunk's vectors come out in the decoder's order, not the values'
+// (`vec_offset`: where vector v of a chunk starts). Up to 4 activation rows a work item decodes each
+// group of vectors into registers and multiplies it at once; more rows, it stores each chunk's vectors
+// to an L1 buffer once and tiles 4 weight rows by 2 activation rows over them. Both make the same FMAs
+// in the same order for every (row, output) — one accumulator per sum, vector after vector in the
+// decoder's order — folded as hsum4 folds, so a row's bits do not depend on its company.
+
+#elif defined(__AVX2__) && defined(__FMA__)
+
+static inline __m256i widen8(const uint8_t* p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p)); }
+static inline __m256 cvt8(__m256i q) { return _mm256_cvtepi32_ps(q); }
+#define LOW4(q) _mm256_and_si256(q, _mm256_set1_epi32(15))
+#define HIGH4(q) _mm256_srli_epi32(q, 4)
+#define FIFTH(q, k) _mm256_and_si256(_mm256_slli_epi32(q, 4 - (k)), _mm256_set1_epi32(16))  // bit k (≤ 4) to bit 4
+
+static inline int in_lane_order(int fmt) { (void)fmt; return 0; }
+static inline void to_lane_order(const float* x, float* xt, int64_t count) { (void)x, (void)xt, (void)count; }
+
+#define GROUP 4  // vectors a decode of a group emits: one block of 32, or 32 values of a super-block
+
+// Where group g's vectors start, in values from the chunk's first: at group_start + in_group(v), v = 0..3
+static inline int group_start(int fmt, int g) {
+    switch (fmt) {
+    case Q4_K:
+    case Q5_K: return 64 * (g / 2) + 16 * (g % 2);  // 32 bytes: groups 2P (low nibbles) and 2P + 1 (high)
+    case Q6_K: return 128 * (g / 4) + 8 * (g % 4);  // bytes l serve values l + 32t, t = 0..3
+    default: return 32 * g;                         // a block of 32
+    }
+}
+
+static inline int in_group(int fmt, int v) {
+    switch (fmt) {
+    case Q8_0: return 8 * v;
+    case Q4_0:
+    case Q4_1:
+    case Q5_0: return (int[]){0, 16, 8, 24}[v];  // bytes 0-7 hold values 0-7 and 16-23
+    case Q4_K:
+    case Q5_K: return (int[]){0, 32, 8, 40}[v];
+    default: return 32 * v;  // Q6_K
+    }
+}
+
+static inline int vec_offset(int fmt, int v) { return group_start(fmt, v / 4) + in_group(fmt, v % 4); }
+
+// K-quants, per chunk (one super-block) and row r: s[r][u] = d·sc and s[r][8 + u] = dmin·m of group u
+// (Q4_K, Q5_K); s[r][g] = d·sc and s[r][16 + g] = 32·d·sc of group g of 16 (Q6_K).
+static inline void chunk_scales(int fmt, const int R, const uint8_t* const* row, int64_t c, float (*s)[32]) {
+    const Format* f = &FORMATS[fmt];
+    for (int r = 0; r < R; r++) {
+        const uint8_t* p = row[r] + c / QK_K * f->bytes;
+        if (fmt == Q6_K) {
+            const __m256 d = _mm256_set1_ps(half(p + 208)), d32 = _mm256_mul_ps(d, _mm256_set1_ps(32));
+            for (int h = 0; h < 2; h++) {
+                const __m256 sc = cvt8(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(p + 192 + 8 * h))));
+                _mm256_storeu_ps(s[r] + 8 * h, _mm256_mul_ps(d, sc));
+                _mm256_storeu_ps(s[r] + 16 + 8 * h, _mm256_mul_ps(d32, sc));  // 32·d·sc: as exact as d·sc
+            }
+            continue;
+        }
+        // k_scales on the words a, b, c of bytes 4-15, in one register: lanes [a, c, b, c] and [a, a, b, b] give
+        // [a & 63s, (c & 15s) | (a >> 2 & 48s), b & 63s, (c >> 4 & 15s) | (b >> 2 & 48s)]: scales 0-3, 4-7, mins 0-3, 4-7
+        const __m128i v = _mm_loadu_si128((const __m128i*)(p + 4));
+        const __m128i low = _mm_srlv_epi32(_mm_shuffle_epi32(v, 0x98), _mm_setr_epi32(0, 0, 0, 4));
+        const __m128i top = _mm_and_si128(_mm_srli_epi32(_mm_shuffle_epi32(v, 0x50), 2), _mm_setr_epi32(0, 0x30303030, 0, 0x30303030));
+        const __m128i sc = _mm_or_si128(_mm_and_si128(low, _mm_setr_epi32(0x3F3F3F3F, 0x0F0F0F0F, 0x3F3F3F3F, 0x0F0F0F0F)), top);
+        _mm256_storeu_ps(s[r], _mm256_mul_ps(_mm256_set1_ps(half(p)), cvt8(_mm256_cvtepu8_epi32(sc))));
+        _mm256_storeu_ps(s[r] + 8, _mm256_mul_ps(_mm256_set1_ps(half(p + 2)), cvt8(_mm256_cvtepu8_epi32(_mm_srli_si128(sc, 8)))));
+    }
+}
+
+// Group g of a chunk starting at value c: vectors 4g .. 4g + 3 of the chunk (values at vec_offset),
+// each widened load of codes serving two vectors (Q6_K's high bits four)
+static inline __attribute__((always_inline)) void decode_group(int fmt, const uint8_t* row, int64_t c, int g,
+                                                               const float* s, __m256* w) {
+    const Format* f = &FORMATS[fmt];
+    switch (fmt) {
+    case Q8_0: {  // block g: d·q
+        const uint8_t* p = row + (c / 32 + g) * f->bytes;
+        const __m256 d = _mm256_set1_ps(half(p));
+        for (int k = 0; k < 4; k++) w[k] = _mm256_mul_ps(cvt8(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(p + 2 + 8 * k)))), d);
+        return;
+    }
+    case Q4_0:
+    case Q4_1:
+    case Q5_0: {  // block g: bytes 8k .. 8k + 7 hold values 8k .. (low nibbles) and 16 + 8k .. (high); d·q + m, m = −8d, −16d
+        const uint8_t* p = row + (c / 32 + g) * f->bytes;
+        const __m256 d = _mm256_set1_ps(half(p));
+        const __m256 m = fmt == Q4_1 ? _mm256_set1_ps(half(p + 2)) : _mm256_mul_ps(d, _mm256_set1_ps(fmt == Q4_0 ? -8 : -16));
+        const uint8_t* qs = p + (fmt == Q4_0 ? 2 : fmt == Q4_1 ? 4 : 6);
+        for (int k = 0; k < 2; k++) {
+            const __m256i z = widen8(qs + 8 * k);
+            __m256i lo = LOW4(z), hi = HIGH4(z);
+            if (fmt == Q5_0) {  // the fifth bit of value j: bit j of the 32-bit field before the nibbles
+                uint32_t qh;
+                memcpy(&qh, p + 2, sizeof qh);
+                const __m256i bits = _mm256_srlv_epi32(_mm256_set1_epi32((int)(qh >> 8 * k)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+                lo = _mm256_or_si256(lo, FIFTH(bits, 0)), hi = _mm256_or_si256(hi, FIFTH(_mm256_srli_epi32(bits, 16), 0));
+            }
+            w[2 * k] = _mm256_fmadd_ps(d, cvt8(lo), m), w[2 * k + 1] = _mm256_fmadd_ps(d, cvt8(hi), m);  // d·q exact
+        }
+        return;
+    }
+    case Q4_K:
+    case Q5_K: {  // pair P = g / 2 of groups, bytes 16·(g % 2) .. + 15 of its 32: (d·sc)·q − dmin·m
+        const uint8_t* p = row + c / QK_K * f->bytes;
+        const int P = g / 2;
+        const __m256 s0 = _mm256_set1_ps(s[2 * P]), m0 = _mm256_set1_ps(s[8 + 2 * P]);
+        const __m256 s1 = _mm256_set1_ps(s[2 * P + 1]), m1 = _mm256_set1_ps(s[9 + 2 * P]);
+        for (int e = 0; e < 2; e++) {
+            const int k = 2 * (g % 2) + e;
+            const __m256i z = widen8(p + (fmt == Q4_K ? 16 : 48) + 32 * P + 8 * k);
+            __m256i lo = LOW4(z), hi = HIGH4(z);
+            if (fmt == Q5_K) {  // the fifth bit of value l of group u: bit u of byte l of the 32 at p + 16
+                const __m256i bits = _mm256_srli_epi32(widen8(p + 16 + 8 * k), 2 * P);
+                lo = _mm256_or_si256(lo, FIFTH(bits, 0)), hi = _mm256_or_si256(hi, FIFTH(bits, 1));
+            }
+            w[2 * e] = _mm256_fmsub_ps(s0, cvt8(lo), m0), w[2 * e + 1] = _mm256_fmsub_ps(s1, cvt8(hi), m1);
+        }
+        return;
+    }
+    default: {  // Q6_K, half h = g / 4, bytes l = 8·(g % 4) ..: value 128h + 32t + l has low nibble t / 2 of
+                // ql[64h + 32(t % 2) + l] and bits 2t of qh[32h + l]; (d·sc)·(q − 32), a scale per 16 values
+        const uint8_t* p = row + c / QK_K * f->bytes;
+        const int h = g / 4, k = g % 4;
+        const __m256i a = widen8(p + 64 * h + 8 * k), b = widen8(p + 64 * h + 32 + 8 * k);
+        const __m256i top = widen8(p + 128 + 32 * h + 8 * k), six = _mm256_set1_epi32(0x30);
+        const __m256i q[4] = {
+            _mm256_or_si256(LOW4(a), _mm256_and_si256(_mm256_slli_epi32(top, 4), six)),
+            _mm256_or_si256(LOW4(b), _mm256_and_si256(_mm256_slli_epi32(top, 2), six)),
+            _mm256_or_si256(HIGH4(a), _mm256_and_si256(top, six)),
+            _mm256_or_si256(HIGH4(b), _mm256_and_si256(_mm256_srli_epi32(top, 2), six)),
+        };
+        for (int t = 0; t < 4; t++) {  // (d·sc)·q − 32·(d·sc): the exact d·sc·(q − 32), rounded once
+            const int group = 8 * h + 2 * t + k / 2;
+            w[t] = _mm256_fmsub_ps(_mm256_set1_ps(s[group]), cvt8(q[t]), _mm256_set1_ps(s[16 + group]));
+        }
+        return;
+    }
+    }
+}
+
+// as the AVX-512 path's: while the item's rows are multiplied, ask for the next item's rows at the same
+// chunk (which this thread most likely takes next), every line of it, at the chunk's start
+static inline __attribute__((always_inline)) void prefetch_chunk(const Product* p, const uint8_t* row, int64_t c) {
+    const Format* f = &FORMATS[p->fmt];
+    const int64_t from = c / f->values * f->bytes, to = from + CK / f->values * f->bytes;
+    for (int64_t line = from & ~63; line < to; line += 64) _mm_prefetch((const char*)row + ROWS * p->ldw + line, _MM_HINT_T1);
+}
+
+// hsum4's order for one vector: lane i + lane i + 4, then i + i + 2, then i + i + 1
+static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)));
+}
+
+// M ≤ 4 activation rows: R·M accumulators (R = 8 weight rows for one activation row, 4 for two, 2 for
+// three or four), each group of vectors decoded into registers and multiplied at once
+static inline __attribute__((always_inline)) void fused_rows(int fmt, const int M, const int R, const Product* p,
+                                                             const uint8_t* const* row, __m256* out) {
+    const int G = GROUP;
+    __m256 acc[ROWS][4];
+    for (int r = 0; r < R; r++)
+        for (int i = 0; i < M; i++) acc[r][i] = _mm256_setzero_ps();
+    float s[ROWS][32];
+    for (int64_t c = 0; c < p->n; c += CK) {
+        const int groups = (int)((p->n - c < CK ? p->n - c : CK) / (8 * G));
+        if (FORMATS[fmt].values == QK_K) chunk_scales(fmt, R, row, c, s);
+        for (int r = 0; r < R; r++) prefetch_chunk(p, row[r], c);
+        for (int g = 0; g < groups; g++) {
+            const float* xg = p->x + c + group_start(fmt, g);
+#pragma GCC unroll 8
+            for (int r = 0; r < R; r++) {
+                __m256 w[4];
+                decode_group(fmt, row[r], c, g, s[r], w);
+#pragma GCC unroll 4
+                for (int v = 0; v < G; v++)
+#pragma GCC unroll 4
+                    for (int i = 0; i < M; i++)
+                        acc[r][i] = _mm256_fmadd_ps(w[v], _mm256_loadu_ps(xg + i * p->n + in_group(fmt, v)), acc[r][i]);
+            }
+        }
+    }
+    for (int i = 0; i < M; i++)
+        for (int r = 0; r < R; r++) out[i * ROWS + r] = acc[r][i];
+}
+
+static void finish_block_item(const Product* p, int64_t o0, int rows, int64_t m, const __m256* acc) {
+    for (int64_t i = 0; i < m; i++)
+        for (int r = 0; r < rows; r++) p->y[i * p->ldy + o0 + r] = hsum8(acc[i * ROWS + r]);
+}
+
+static inline __attribute__((always_inline)) void fused_item(int fmt, const int M, const Product* p, int64_t o0, int rows) {
+    const uint8_t* row[ROWS];
+    for (int r = 0; r < ROWS; r++) row[r] = p->w + (o0 + (r < rows ? r : rows - 1)) * p->ldw;
+    __m256 acc[4 * ROWS];
+    const int R = M == 1 ? 8 : M == 2 ? 4 : 2;
+    for (int h = 0; h < ROWS; h += R) fused_rows(fmt, M, R, p, row + h, acc + h);
+    finish_block_item(p, o0, rows, M, acc);
+}
+
+// A register tile of the stored path: TILE weight rows (wb, vectors in the decoder's order, row stride
+// CK) by M ≤ 2 activation rows (x at the chunk, its vectors at off[v]): 8 accumulators, 4 weight
+// vectors and 2 activation vectors of the 16 registers
+static inline __attribute__((always_inline)) void tile_rows(const int M, const float* wb, const float* x, int64_t ldx,
+                                                            const int* off, int vectors, __m256* acc) {
+    __m256 a[2][TILE];
+    for (int i = 0; i < M; i++)
+        for (int r = 0; r < TILE; r++) a[i][r] = acc[i * ROWS + r];
+    for (int v = 0; v < vectors; v++) {
+        const __m256 w0 = _mm256_load_ps(wb + 8 * v), w1 = _mm256_load_ps(wb + CK + 8 * v);
+        const __m256 w2 = _mm256_load_ps(wb + 2 * CK + 8 * v), w3 = _mm256_load_ps(wb + 3 * CK + 8 * v);
+        for (int i = 0; i < M; i++) {
+            __m256 xv = _mm256_loadu_ps(x + i * ldx + off[v]);
+            __asm__("" : "+x"(xv));  // kept in a register, not reloaded for each weight row's FMA
+            a[i][0] = _mm256_fmadd_ps(w0, xv, a[i][0]), a[i][1] = _mm256_fmadd_ps(w1, xv, a[i][1]);
+            a[i][2] = _mm256_fmadd_ps(w2, xv, a[i][2]), a[i][3] = _mm256_fmadd_ps(w3, xv, a[i][3]);
+        }
+    }
+    for (int i = 0; i < M; i++)
+        for (int r = 0; r < TILE; r++) acc[i * ROWS + r] = a[i][r];
+}
+
+static inline __attribute__((always_inline)) void stored_item(int fmt, const Product* p, int64_t o0, int rows) {
+    const int G = GROUP;
+    const uint8_t* row[ROWS];
+    for (int r = 0; r < ROWS; r++) row[r] = p->w + (o0 + (r < rows ? r : rows - 1)) * p->ldw;
+    float wb[ROWS * CK] __attribute__((aligned(32)));
+    float s[ROWS][32];
+    int off[CK / 8];
+    for (int v = 0; v < CK / 8; v++) off[v] = vec_offset(fmt, v);
+    __m256 acc[MAX_M * ROWS];
+    for (int64_t k = 0; k < p->m * ROWS; k++) acc[k] = _mm256_setzero_ps();
+    for (int64_t c = 0; c < p->n; c += CK) {
+        const int vectors = (int)((p->n - c < CK ? p->n - c : CK) / 8);
+        if (FORMATS[fmt].values == QK_K) chunk_scales(fmt, ROWS, row, c, s);
+        for (int r = 0; r < ROWS; r++) {
+            prefetch_chunk(p, row[r], c);
+            for (int g = 0; g < vectors / G; g++) {
+                __m256 w[4];
+                decode_group(fmt, row[r], c, g, s[r], w);
+                for (int v = 0; v < G; v++) _mm256_store_ps(wb + r * CK + 8 * (G * g + v), w[v]);
+            }
+        }
+        for (int h = 0; h < ROWS; h += TILE)
+            for (int64_t i = 0; i < p->m; i += 2) {
+                const float* x = p->x + i * p->n + c;
+                if (p->m - i >= 2) tile_rows(2, wb + h * CK, x, p->n, off, vectors, acc + i * ROWS + h);
+                else tile_rows(1, wb + h * CK, x, p->n, off, vectors, acc + i * ROWS + h);
+            }
+    }
+    finish_block_item(p, o0, rows, p->m, acc);
+}
+
+// Dequantization with the same decoders, every vector put at its values' place
+static void expand_row(int fmt, const uint8_t* row, int64_t n, float* y) {
+    const int G = GROUP;
+    float s[1][32];
+    for (int64_t c = 0; c < n; c += CK) {
+        const int groups = (int)((n - c < CK ? n - c : CK) / (8 * G));
+        if (FORMATS[fmt].values == QK_K) chunk_scales(fmt, 1, &row, c, s);
+        for (int g = 0; g < groups; g++) {
+            __m256 w[4];
+            decode_group(fmt, row, c, g, s[0], w);
+            for (int v = 0; v < G; v++) _mm256_storeu_ps(y + c + vec_offset(fmt, G * g + v), w[v]);
+        }
+    }
+}
+#endif
+
+#if (defined(__AVX512F__) && defined(__AVX512VL__)) || (defined(__AVX2__) && defined(__FMA__))
+
 #define DEFINE_BLOCK_ITEMS(NAME, FMT)                                                 \
     static void NAME(void* ctx, uint32_t begin, uint32_t end) {                       \
         const Product* p = ctx;                                                       \
@@ -777,9 +1063,6 @@ static PoolTask block_items(int fmt) {
     }
 }
 
-#if !defined(__clang__)
-#pragma GCC pop_options
-#endif
 #else
 static PoolTask block_items(int fmt) { (void)fmt; return NULL; }
 static inline int in_lane_order(int fmt) { (void)fmt; return 0; }

@@ -34,6 +34,9 @@
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #include <immintrin.h>
 #define VNNI 1
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define DOT2 1  // AVX2: vpmaddubsw + vpmaddwd in place of one vpdpbusd
 #endif
 
 #define LANES 16  // output rows per item
@@ -322,6 +325,96 @@ static void items(void* ctx, uint32_t begin, uint32_t end) {
             const int M = p->m - i < MTILE ? (int)(p->m - i) : MTILE;
             ROWS_OF[M - 1](p, p->w + it * item_bytes, i, acc);
             for (int k = 0; k < M; k++) _mm512_mask_storeu_ps(p->y + (i + k) * p->ldy + o0, keep, acc[k]);
+        }
+    }
+}
+#elif defined(DOT2)
+// AVX2 has no vpdpbusd: vpmaddubsw multiplies codes by x in pairs into 16-bit sums, which add up in 16
+// bits while no sum can overflow (K16 of them: 8 for 4-bit codes, 4 for 5-bit, 2 for 6-bit), and
+// vpmaddwd by ones widens them into the 32-bit lanes. Q8_0's codes (q + 128) would overflow a pair, so
+// they are multiplied as the signed q (|q| against x with q's sign: llama.cpp's trick), which is the
+// same integer sum without the −128·sum(x) it starts from. An item's 16 rows are two halves of 8 lanes;
+// the integers are exact and the float operations per lane are the fallback's below, in its order: the
+// same bits.
+#define MT2 4  // activation rows per pass over a half item: accumulators, 8 code registers and constants
+
+static inline __attribute__((always_inline)) void half_rows(const Product* p, const uint8_t* item, int64_t i0,
+                                                            const int M, int h, const int NIB, const int NW,
+                                                            const int MIN, const int SIGNED, const int K16,
+                                                            __m256* acc) {
+    const int gb = (int)group_bytes(&p->l), words = NIB ? NW / 2 : NW;
+    const __m256i low4 = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8((char)0x80);
+    for (int i = 0; i < M; i++) acc[i] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < p->groups; b++) {
+        const uint8_t* g = item + b * gb;
+        const XBlock* xs = p->xq + b * p->m + i0;
+        __m256i w[8];
+        if (NIB) {
+            for (int k = 0; k < 4; k++) {
+                const __m256i v = _mm256_loadu_si256((const __m256i*)(g + 64 * k + 32 * h));
+                w[k] = _mm256_and_si256(v, low4), w[k + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+            }
+        } else {
+            for (int k = 0; k < NW; k++) {
+                w[k] = _mm256_loadu_si256((const __m256i*)(g + 64 * k + 32 * h));
+                if (SIGNED) w[k] = _mm256_xor_si256(w[k], flip);  // the code − 128: Q8_0's own q
+            }
+        }
+        const float* sc = (const float*)(g + 64 * words);
+        const __m256 scale = _mm256_loadu_ps(sc + 8 * h);
+#pragma GCC unroll 4
+        for (int i = 0; i < M; i++) {
+            const XBlock* x = xs + i;
+            __m256i s = SIGNED ? _mm256_setzero_si256() : _mm256_set1_epi32(x->neg_off), s16 = _mm256_setzero_si256();
+#pragma GCC unroll 8
+            for (int k = 0; k < NW; k++) {
+                const __m256i xv = _mm256_set1_epi32(x->q[k]);
+                const __m256i prod = SIGNED ? _mm256_maddubs_epi16(_mm256_abs_epi8(w[k]), _mm256_sign_epi8(xv, w[k]))
+                                            : _mm256_maddubs_epi16(w[k], xv);
+                s16 = k % K16 ? _mm256_add_epi16(s16, prod) : prod;
+                if (k % K16 == K16 - 1 || k == NW - 1) s = _mm256_add_epi32(s, _mm256_madd_epi16(s16, ones));
+            }
+            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(scale, _mm256_set1_ps(x->dx)), acc[i]);
+            if (MIN) acc[i] = _mm256_fmadd_ps(_mm256_loadu_ps(sc + LANES + 8 * h), _mm256_set1_ps(x->dx_sum), acc[i]);
+        }
+    }
+}
+
+// h: the half (rows 8h .. 8h + 7); the layout's constants as literals, so that everything stays in registers
+#define HALF_ROWS(M)                                                                               \
+    static void half_rows_##M(const Product* p, const uint8_t* item, int64_t i0, int h, __m256* acc) { \
+        const Layout* l = &p->l;                                                                   \
+        if (l->nibble && l->has_min) half_rows(p, item, i0, M, h, 1, 8, 1, 0, 8, acc);             \
+        else if (l->nibble) half_rows(p, item, i0, M, h, 1, 8, 0, 0, 8, acc);                      \
+        else if (l->S == 16) half_rows(p, item, i0, M, h, 0, 4, 0, 0, 2, acc);                     \
+        else if (l->off == 128) half_rows(p, item, i0, M, h, 0, 8, 0, 1, 1, acc);                  \
+        else if (l->has_min) half_rows(p, item, i0, M, h, 0, 8, 1, 0, 4, acc);                     \
+        else half_rows(p, item, i0, M, h, 0, 8, 0, 0, 4, acc);                                     \
+    }
+HALF_ROWS(1)
+HALF_ROWS(2)
+HALF_ROWS(3)
+HALF_ROWS(4)
+static void (*const HALF_ROWS_OF[MT2])(const Product*, const uint8_t*, int64_t, int, __m256*) = {
+    half_rows_1, half_rows_2, half_rows_3, half_rows_4};
+
+static void items(void* ctx, uint32_t begin, uint32_t end) {
+    const Product* p = ctx;
+    const int64_t item_bytes = p->groups * group_bytes(&p->l);
+    for (int64_t it = begin; it < end; it++) {
+        const int64_t o0 = it * LANES;
+        const int rows = p->out - o0 >= LANES ? LANES : (int)(p->out - o0);
+        for (int64_t i = 0; i < p->m; i += MT2) {
+            const int M = p->m - i < MT2 ? (int)(p->m - i) : MT2;
+            for (int h = 0; h < 2 && 8 * h < rows; h++) {
+                __m256 acc[MT2];
+                HALF_ROWS_OF[M - 1](p, p->w + it * item_bytes, i, h, acc);
+                for (int k = 0; k < M; k++) {
+                    float lanes[8];
+                    _mm256_storeu_ps(lanes, acc[k]);
+                    for (int r = 8 * h; r < rows && r < 8 * h + 8; r++) p->y[(i + k) * p->ldy + o0 + r] = lanes[r - 8 * h];
+                }
+            }
         }
     }
 }

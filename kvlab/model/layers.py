@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvlab.kernels import current, linear
-from kvlab.kernels.gemv import rms_norm, small_ops_apply
+from kvlab.kernels.gemv import gated_act, gated_activation_id, rms_norm, small_ops_apply
 
 
 class RMSNorm(nn.Module):
@@ -170,6 +170,13 @@ class GatedMLP(nn.Module):
         raise NotImplementedError
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if small_ops_apply(x, x.numel() // x.shape[-1]):  # decode: the activation is the C step's own (its bits)
+            act_id = gated_activation_id(self.activation)
+            gate_up = self.gate_up_proj(x)
+            if act_id is not None and gate_up.dtype == torch.float32:
+                return self.down_proj(gated_act(gate_up, self.intermediate_size, act_id))
+            gate, up = gate_up.split(self.intermediate_size, dim=-1)
+            return self.down_proj(self.act(gate) * up)
         gate, up = self.gate_up_proj.forward_parts(x)  # [B, T, I] each
         return self.down_proj(self.act(gate) * up)
 
