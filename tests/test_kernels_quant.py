@@ -196,8 +196,9 @@ def test_dequantize_plain_rows(fmt):
 @needs_kernel
 def test_packed_linear_layer_end_to_end():
     """PackedLinear with the kernels: every row count through packed_linear by default (the tiles beat
-    dequantizing for BLAS), prompt-sized ones through the C dequantization and BLAS when the policy says
-    so; both equal float math on the file's values, the bias added."""
+    dequantizing for BLAS; on AVX2 up to PROMPT_TILE_ROWS rows), prompt-sized ones through the C
+    dequantization and BLAS when the policy says so; both equal float math on the file's values, the
+    bias added."""
     n = 256
     parts = [packed(f, random_blocks(f, rows, n, seed=rows), n) for f, rows in (("Q5_0", 24), ("Q4_K", 8), ("Q8_0", 8))]
     bias = torch.randn(40)
@@ -208,7 +209,8 @@ def test_packed_linear_layer_end_to_end():
         with ThreadPolicy(packed_prompts=packed_prompts).active():
             for rows in (1, 3, 32, 33, 300):
                 x = torch.randn(1, rows, n, generator=torch.Generator().manual_seed(rows))
-                assert quant.applies(x.view(rows, n), layer.formats) == (packed_prompts or rows <= 32)
+                tiles = rows <= quant.PROMPT_TILE_ROWS.get(quant.isa(), rows)
+                assert quant.applies(x.view(rows, n), layer.formats) == ((packed_prompts and tiles) or rows <= 32)
                 y = layer(x)
                 ref = F.linear(x.double(), w.double(), bias.double())
                 assert y.shape == (1, rows, 40) and y.dtype == torch.float32
@@ -216,6 +218,19 @@ def test_packed_linear_layer_end_to_end():
                 assert layer(x.bfloat16()).dtype == torch.bfloat16
     with ThreadPolicy(use_kernels=False).active():
         assert not quant.applies(torch.randn(1, n), layer.formats)
+
+
+@needs_kernel
+def test_the_build_names_the_exact_path_this_cpu_takes():
+    flags = set(" ".join(line for line in Path("/proc/cpuinfo").read_text(errors="ignore").splitlines()
+                         if line.startswith("flags")).split())  # fmt: skip
+    expected = "avx512" if {"avx512f", "avx512vl"} <= flags else "avx2" if {"avx2", "fma"} <= flags else "portable"
+    assert quant.isa() == expected
+    rows = quant.PROMPT_TILE_ROWS.get(expected)
+    if rows is not None:  # a mixture's prompt is shared out among its experts: not one product of that size
+        x = torch.randn(rows + 1, 256)
+        assert not quant.applies(x, ["Q4_K"]) and quant.applies(x, ["Q4_K"], whole=False)
+        assert quant.applies(x[:rows], ["Q4_K"])
 
 
 # ---- the narrower builds: AVX2 on an AVX-512 machine, and the portable C path on any -----------

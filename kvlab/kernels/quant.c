@@ -305,6 +305,18 @@ static const Format FORMATS[] = {
 };
 #define NUM_FORMATS (int)(sizeof FORMATS / sizeof FORMATS[0])
 
+// Which exact product this build has: "avx512" (codes looked up), "avx2" (codes converted) or "portable"
+// (chunks expanded to floats first); quant.py sends prompt-sized passes to BLAS where the tiles lose.
+const char* kvlab_quant_isa(void) {
+#if defined(__AVX512F__) && defined(__AVX512VL__)
+    return "avx512";
+#elif defined(__AVX2__) && defined(__FMA__)
+    return "avx2";
+#else
+    return "portable";
+#endif
+}
+
 // Format `id`'s name and block size; NULL past the last one.
 const char* kvlab_quant_format(int id, int* values, int* bytes) {
     if (id < 0 || id >= NUM_FORMATS) return NULL;

@@ -64,15 +64,32 @@ def available() -> bool:
     return bool(_format_ids())
 
 
-def applies(x: torch.Tensor, formats: list[str]) -> bool:
+# Prompt-sized passes the tiles take, by the build's exact path: above this many rows, dequantizing the
+# matrix for BLAS wins. AVX-512 tiles beat BLAS at every chunk measured (64-512 rows); AVX2 tiles
+# (4 × 2 registers) at 64 rows (1.2-2.6×) but not at 256-512 (0.6-0.9×: 8960 × 1536 Q4_K, 1536 × 8960
+# Q6_K, 1536 × 576 Q4_1, 2 threads, measured side by side).
+PROMPT_TILE_ROWS = {"avx2": 128}
+
+
+@functools.cache
+def isa() -> str:
+    """The exact product this build has: "avx512", "avx2" or "portable" ("" without the library)."""
+    lib = _library()
+    return lib["isa"]().decode() if lib else ""
+
+
+def applies(x: torch.Tensor, formats: list[str], whole: bool = True) -> bool:
     """Whether packed_linear takes x [rows, in] with parts in `formats`: a CPU pass the thread policy in
-    force gives the block kernels (any size by default: see ThreadPolicy.packed_prompts), every format
-    one the C kernels know."""
+    force gives the block kernels (any size by default: see ThreadPolicy.packed_prompts, up to
+    PROMPT_TILE_ROWS where the build's tiles lose to BLAS), every format one the C kernels know.
+    whole=False: x's rows are not one product's (a mixture's prompt, shared out among its experts)."""
     if x.device.type != "cpu" or x.dim() != 2:
         return False
     ids = _format_ids()
     if any(is_interleaved(f) for f in formats):  # no float copy to fall back on: every pass, any size
         return all(f in ids for f in formats)
+    if whole and x.shape[0] > PROMPT_TILE_ROWS.get(isa(), x.shape[0]):
+        return False
     return current().packed_sized(x.shape[0]) and bool(ids) and all(f in ids for f in formats)
 
 

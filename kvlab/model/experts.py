@@ -143,7 +143,8 @@ class Experts(nn.Module):
         both matrices in blocks the kernels read at this many rows), else None."""
         if x.dtype != torch.float32 or weights.dtype != torch.float32 or not {"gate_up", "down"} <= self.formats.keys():
             return None
-        if not quant.applies(x, self.formats["gate_up"] + self.formats["down"]) or not moe_prefill.available():
+        formats = self.formats["gate_up"] + self.formats["down"]
+        if not quant.applies(x, formats, whole=False) or not moe_prefill.available():
             return None
         from kvlab.backends.cpu_moe import describe_experts
 
