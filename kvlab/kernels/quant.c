@@ -337,6 +337,11 @@ typedef struct {
     int64_t m, n, ldy, out;
 } Product;
 
+// An item's ROWS weight rows from output row o0 (`rows` of them real: the missing ones repeat the last)
+static inline void item_rows(const Product* p, int64_t o0, int rows, const uint8_t** row) {
+    for (int r = 0; r < ROWS; r++) row[r] = p->w + (o0 + (r < rows ? r : rows - 1)) * p->ldw;
+}
+
 static inline vf load(const float* p) {
     vf v;
     memcpy(&v, p, sizeof v);
@@ -663,7 +668,7 @@ static void finish_block_item(const Product* p, int64_t o0, int rows, int64_t m,
 
 static inline __attribute__((always_inline)) void fused_item(int fmt, const int M, const Product* p, int64_t o0, int rows) {
     const uint8_t* row[ROWS];
-    for (int r = 0; r < ROWS; r++) row[r] = p->w + (o0 + (r < rows ? r : rows - 1)) * p->ldw;
+    item_rows(p, o0, rows, row);
     __m512 acc[4 * ROWS];
     const int R = M == 1 ? 8 : M == 2 ? 4 : 2;
     for (int h = 0; h < ROWS; h += R) fused_rows(fmt, M, R, p, row + h, acc + h);
@@ -714,7 +719,7 @@ static void tiles(const float* wb, const float* x, int64_t ldx, int64_t m, int64
 // same FMAs in the same order as in the fused path, so a row's bits do not depend on its company.
 static inline __attribute__((always_inline)) void stored_item(int fmt, const Product* p, int64_t o0, int rows) {
     const uint8_t* row[ROWS];
-    for (int r = 0; r < ROWS; r++) row[r] = p->w + (o0 + (r < rows ? r : rows - 1)) * p->ldw;
+    item_rows(p, o0, rows, row);
     float wb[ROWS * CK] __attribute__((aligned(64)));
     float s[ROWS][32] __attribute__((aligned(64)));
     __m512 acc[MAX_M * ROWS];
@@ -960,7 +965,7 @@ static void finish_block_item(const Product* p, int64_t o0, int rows, int64_t m,
 
 static inline __attribute__((always_inline)) void fused_item(int fmt, const int M, const Product* p, int64_t o0, int rows) {
     const uint8_t* row[ROWS];
-    for (int r = 0; r < ROWS; r++) row[r] = p->w + (o0 + (r < rows ? r : rows - 1)) * p->ldw;
+    item_rows(p, o0, rows, row);
     __m256 acc[4 * ROWS];
     const int R = M == 1 ? 8 : M == 2 ? 4 : 2;
     for (int h = 0; h < ROWS; h += R) fused_rows(fmt, M, R, p, row + h, acc + h);
@@ -992,7 +997,7 @@ static inline __attribute__((always_inline)) void tile_rows(const int M, const f
 static inline __attribute__((always_inline)) void stored_item(int fmt, const Product* p, int64_t o0, int rows) {
     const int G = GROUP;
     const uint8_t* row[ROWS];
-    for (int r = 0; r < ROWS; r++) row[r] = p->w + (o0 + (r < rows ? r : rows - 1)) * p->ldw;
+    item_rows(p, o0, rows, row);
     float wb[ROWS * CK] __attribute__((aligned(32)));
     float s[ROWS][32];
     int off[CK / 8];
