@@ -112,7 +112,7 @@ typedef void (*DequantFn)(const uint8_t* w, int64_t ldw, int rows, int64_t block
 
 // Written for the machine's own vector width: GCC did not vectorize the plain loops (16 and 32 values,
 // nibbles and bit fields), and it lowers wider generic vectors and byte-to-float conversions one lane
-// at a time. Machines without AVX-512 compute every product through these.
+// at a time. Machines without AVX2 compute every product through these.
 typedef int32_t vi __attribute__((vector_size(VL * 4)));
 
 static inline vi widen(const uint8_t* p, int is_signed) {  // VL bytes → VL int32 lanes
