@@ -11,6 +11,7 @@ counts and the cache's storage tensors (`StepDesc`). The structs are written her
 from __future__ import annotations
 
 import ctypes
+import functools
 
 import torch
 
@@ -102,8 +103,10 @@ def kv_format_ids() -> dict[str, int]:
     return _names("kv_format")
 
 
+@functools.cache
 def activation_ids() -> dict[str, int]:
-    """A gated MLP's activation (DenseMLP.activation) → decode.c's id (kvlab_decode_activation)."""
+    """A gated MLP's activation (DenseMLP.activation) → decode.c's id (kvlab_decode_activation); asked once
+    (the modules' decode passes read it every layer)."""
     return _names("activation")
 
 

@@ -129,7 +129,6 @@ def _load() -> None:
     _ops["rms_norm"] = _bind(lib, "kvlab_rms_norm_f32", [pointer] * 3 + [int64] * 2 + [ctypes.c_float])
     _ops["rope"] = _bind(lib, "kvlab_rope_f32", [pointer] * 3 + [int64] * 4)
     _ops["gated_act"] = _bind(lib, "kvlab_gated_act_f32", [pointer] * 2 + [int64] * 2 + [ctypes.c_int])
-    _ops["activation"] = _bind(lib, "kvlab_decode_activation", [ctypes.c_int], ctypes.c_char_p)
     _pool["stats"] = _bind(lib, "kvlab_pool_stats", [ctypes.POINTER(_PoolStats)])
     _pool["set_generation"] = _bind(lib, "kvlab_pool_set_generation", [ctypes.c_uint32], ctypes.c_int)
     _pool["hold"] = _bind(lib, "kvlab_pool_hold", [ctypes.c_int], ctypes.c_int)
@@ -282,24 +281,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     n = x.shape[-1]
     _ops["rms_norm"](x.data_ptr(), weight.data_ptr(), y.data_ptr(), x.numel() // n, n, eps)
     return y
-
-
-def gated_activation_id(name: str) -> int | None:
-    """The C id of a gated MLP's activation (DenseMLP.activation), as decode.c names them
-    (kvlab_decode_activation); None for one it does not compute, or without the library."""
-    _ensure_loaded()
-    if not _ops:
-        return None
-    if not _activation_ids:
-        for i in range(16):
-            found = _ops["activation"](i)
-            if found is None:
-                break
-            _activation_ids[found.decode()] = i
-    return _activation_ids.get(name)
-
-
-_activation_ids: dict[str, int] = {}  # filled once from the library's own names
 
 
 def gated_act(gate_up: torch.Tensor, intermediate: int, activation_id: int) -> torch.Tensor:

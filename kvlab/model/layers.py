@@ -15,7 +15,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvlab.kernels import current, linear
-from kvlab.kernels.gemv import gated_act, gated_activation_id, rms_norm, small_ops_apply
+from kvlab.kernels.decode import activation_ids
+from kvlab.kernels.gemv import gated_act, rms_norm, small_ops_apply
 
 
 class RMSNorm(nn.Module):
@@ -171,7 +172,7 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if small_ops_apply(x, x.numel() // x.shape[-1]):  # decode: the activation is the C step's own (its bits)
-            act_id = gated_activation_id(self.activation)
+            act_id = activation_ids().get(self.activation)
             gate_up = self.gate_up_proj(x)
             if act_id is not None and gate_up.dtype == torch.float32:
                 return self.down_proj(gated_act(gate_up, self.intermediate_size, act_id))
