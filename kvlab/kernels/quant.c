@@ -502,7 +502,7 @@ static inline void to_lane_order(const float* x, float* xt, int64_t count) {  //
 }
 
 static inline int in_lane_order(int fmt) { return fmt >= Q4_0 && fmt <= Q6_K; }
-static inline int factored(int fmt) { (void)fmt; return 0; }
+static inline int wants_sums(int fmt) { (void)fmt; return 0; }
 static inline int64_t sums_stride(int64_t n) { return n; }
 static void x_sums(const float* x, int64_t m, int64_t n, float* xs) { (void)x, (void)m, (void)n, (void)xs; }
 
@@ -1093,7 +1093,7 @@ static inline __attribute__((always_inline)) void direct_stored_item(int fmt, co
 // of sub-blocks (2P: the low nibbles of 32 bytes, 2P + 1: the high), Σ q·x of each (a multiply, then
 // FMAs, vector k = 0..3 in order), scaled in, 2P first.
 
-static inline int factored(int fmt) { return fmt == Q4_K || fmt == Q8_0; }
+static inline int wants_sums(int fmt) { return fmt == Q4_K; }  // x_sums for the offsets (Q8_0 has none)
 static inline int64_t sums_stride(int64_t n) { return n / 32 + 8; }  // per row: X over each 32 values, 8 spare
 
 static void x_sums(const float* x, int64_t m, int64_t n, float* xs) {
@@ -1109,8 +1109,7 @@ static void x_sums(const float* x, int64_t m, int64_t n, float* xs) {
 }
 
 // The codes of vector k (0..3) of sub-block 2P + j (j = 0: low nibbles, 1: high) of a chunk, as floats
-static inline __attribute__((always_inline)) __m256 k_codes(int fmt, const uint8_t* p, int P, int j, int k) {
-    (void)fmt;
+static inline __attribute__((always_inline)) __m256 k_codes(const uint8_t* p, int P, int j, int k) {
     const __m256i z = widen8(p + 16 + 32 * P + 8 * k);
     return cvt8(j ? HIGH4(z) : LOW4(z));
 }
@@ -1119,9 +1118,9 @@ static inline __attribute__((always_inline)) __m256 k_codes(int fmt, const uint8
 static inline int k_offset(int fmt, int P, int j, int k) { return vec_offset(fmt, 8 * P + 2 * k + j); }
 
 static inline __attribute__((always_inline)) void factored_rows(int fmt, const int M, const int R, const Product* p,
-                                                                int64_t i0, const uint8_t* const* row, __m256* out) {
-    const float* x = p->x + i0 * p->n;
-    const float* xs = p->xs + i0 * sums_stride(p->n);
+                                                                const uint8_t* const* row, __m256* out) {
+    const float* x = p->x;
+    const float* xs = p->xs;
     __m256 acc[ROWS][4];
     for (int r = 0; r < R; r++)
         for (int i = 0; i < M; i++) acc[r][i] = _mm256_setzero_ps();
@@ -1142,7 +1141,7 @@ static inline __attribute__((always_inline)) void factored_rows(int fmt, const i
                     __m256 sub[4];
 #pragma GCC unroll 4
                     for (int k = 0; k < 4; k++) {
-                        const __m256 q = k_codes(fmt, b, P, j, k);
+                        const __m256 q = k_codes(b, P, j, k);
 #pragma GCC unroll 4
                         for (int i = 0; i < M; i++) {
                             const __m256 xv = _mm256_loadu_ps(x + i * p->n + c + k_offset(fmt, P, j, k));
@@ -1163,7 +1162,7 @@ static inline __attribute__((always_inline)) void factored_item(int fmt, const i
     item_rows(p, o0, rows, row);
     __m256 acc[4 * ROWS];
     const int R = M == 1 ? 8 : M == 2 ? 4 : 2;
-    for (int h = 0; h < ROWS; h += R) factored_rows(fmt, M, R, p, 0, row + h, acc + h);
+    for (int h = 0; h < ROWS; h += R) factored_rows(fmt, M, R, p, row + h, acc + h);
     finish_block_item(p, o0, rows, M, acc);
 }
 
@@ -1220,7 +1219,7 @@ static inline __attribute__((always_inline)) void factored_stored_item(int fmt, 
             const uint8_t* b = row[r] + c / QK_K * FORMATS[fmt].bytes;
             for (int P = 0; P < 4; P++)
                 for (int k = 0; k < 4; k++)
-                    for (int j = 0; j < 2; j++) _mm256_store_ps(wb + r * CK + 8 * (8 * P + 2 * k + j), k_codes(fmt, b, P, j, k));
+                    for (int j = 0; j < 2; j++) _mm256_store_ps(wb + r * CK + 8 * (8 * P + 2 * k + j), k_codes(b, P, j, k));
         }
         for (int64_t i = 0; i < p->m; i++)
             for (int r = 0; r < ROWS; r++)
@@ -1409,7 +1408,7 @@ static PoolTask block_items(int fmt) {
 static PoolTask block_items(int fmt) { (void)fmt; return NULL; }
 static inline int in_lane_order(int fmt) { (void)fmt; return 0; }
 static inline void to_lane_order(const float* x, float* xt, int64_t count) { (void)x, (void)xt, (void)count; }
-static inline int factored(int fmt) { (void)fmt; return 0; }
+static inline int wants_sums(int fmt) { (void)fmt; return 0; }
 static inline int64_t sums_stride(int64_t n) { return n; }
 static void x_sums(const float* x, int64_t m, int64_t n, float* xs) { (void)x, (void)m, (void)n, (void)xs; }
 static void expand_row(int fmt, const uint8_t* row, int64_t n, float* y) { (void)fmt, (void)row, (void)n, (void)y; }
@@ -1430,7 +1429,7 @@ int kvlab_quant_matmul(int fmt, const uint8_t* w, int64_t ldw, const float* x, f
         to_lane_order(x, xt, m * n);
         x = xt;
     }
-    if (task && factored(fmt) && fmt != Q8_0) {
+    if (task && wants_sums(fmt)) {
         if (!(xs = malloc(m * sums_stride(n) * sizeof(float)))) return -2;
         x_sums(x, m, n, xs);
     }
@@ -1485,7 +1484,7 @@ int kvlab_quant_matmul_parts(int num, const int* fmt, const uint8_t* const* w, c
             }
             xj = xt;
         }
-        if (task && factored(fmt[j]) && fmt[j] != Q8_0 && !xs) {
+        if (task && wants_sums(fmt[j]) && !xs) {
             if (!(xs = malloc(m * sums_stride(n) * sizeof(float)))) return free(xt), -2;
             x_sums(x, m, n, xs);
         }
