@@ -11,7 +11,9 @@ round to round), each measuring, with 2 threads:
   - prefill tok/s at 1,024 tokens: one pass over the prompt (kvlab: one chunk of one request)
   - peak RSS of the process
 and, for kvlab, the split of a decode step: ms in the matrix products (kernel calls) and in
-everything else (Python, small ops, attention). It prints medians (min–max) and kvlab/llama.cpp
+everything else (Python, small ops, attention); and for both, the share of the roofline a decode step
+after 64 tokens reaches: the weight bytes it reads a token × tok/s ÷ the read bandwidth measured in
+kvlab's process of the round (a sum over 1 GiB at the same threads). It prints medians (min–max) and kvlab/llama.cpp
 ratios taken round by round (only same-run ratios
 mean anything on a shared machine). The prompts are the same ids for both: Python standard-library
 source text, tokenized by the GGUF's own vocabulary. Not part of `make test`.
@@ -92,7 +94,24 @@ def kvlab_worker(model: str, ids: dict[int, list[int]], threads: int, activation
     out["prefill_tok_s"] = PREFILL / m.prefill_compute_s
     out.update(step_split(lambda: run(ids[64], DECODE_STEPS + 1), llm.policy))
     out["peak_rss"] = peak_rss()
+    out["step_bytes"] = llm.loaded.decode_weight_bytes()  # the weight bytes one decode step reads
+    out["bandwidth_GB_s"] = read_bandwidth()
     return out
+
+
+def read_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
+    """GB/s of a sum over a float32 tensor too big for any cache (every byte read once), at the thread
+    count the worker set: the median of `repeats`. After the worker's runs, so its pages don't count."""
+    import torch
+
+    x = torch.ones(int(gib * 2**30) // 4)
+    x.sum().item()
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        x.sum().item()
+        times.append(time.perf_counter() - t)
+    return x.numel() * 4 / statistics.median(times) / 1e9
 
 
 def step_split(decode, policy) -> dict:
@@ -238,6 +257,15 @@ def main() -> int:
         entry["kvlab_weights"] = {"format": runs["kvlab"][0]["weight_format"], "bytes": runs["kvlab"][0]["weight_bytes"]}
         entry["kvlab_step"] = {k: summary([run[k] for run in runs["kvlab"]])
                                for k in ("step_ms", "products_ms", "rest_ms", "unfused_step_ms")}  # fmt: skip
+        # the share of the measured read bandwidth a decode step after 64 tokens reaches: the weight bytes it
+        # reads (the same GGUF blocks for both) × tokens/s ÷ GB/s (measured in kvlab's process of the round)
+        step_bytes = runs["kvlab"][0]["step_bytes"]
+        entry["roofline"] = {"step_bytes": step_bytes,
+                             "bandwidth_GB_s": summary([run["bandwidth_GB_s"] for run in runs["kvlab"]])}
+        for engine in runs:
+            entry["roofline"][f"{engine}_share"] = summary([
+                step_bytes * run["decode_64_tok_s"] / 1e9 / k["bandwidth_GB_s"]
+                for run, k in zip(runs[engine], runs["kvlab"])])  # fmt: skip
         results["models"][model] = entry
     print_table(results)
     if args.json:
@@ -263,6 +291,11 @@ def print_table(results: dict) -> None:
         print(f"kvlab decode step after 64 tokens: {split['step_ms']:.2f} ms = {split['products_ms']:.2f} ms in the "
               f"matrix products + {split['rest_ms']:.2f} ms everything else (layer by layer from Python: "
               f"{split['unfused_step_ms']:.2f} ms)")  # fmt: skip
+        roof = e["roofline"]
+        print(f"decode after 64 tokens reads {roof['step_bytes'] / 1e6:.1f} MB of weights a token; read bandwidth "
+              f"measured {roof['bandwidth_GB_s']['median']:.1f} GB/s: kvlab reaches "
+              f"{100 * roof['kvlab_share']['median']:.0f}% of that roofline, llama.cpp "
+              f"{100 * roof['llamacpp_share']['median']:.0f}%")  # fmt: skip
 
 
 if __name__ == "__main__":

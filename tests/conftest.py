@@ -67,3 +67,13 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture
+def cpu_ops():
+    """The CPU's ops in force (kvlab/backends/ops.py), as a driver puts them around a pass: for tests that run
+    one module by hand and mean the C kernels (outside a driver a module runs PyTorch's own code)."""
+    from kvlab.backends.ops import ops_for
+
+    with ops_for("cpu").active() as ops:
+        yield ops

@@ -194,7 +194,7 @@ def test_dequantize_plain_rows(fmt):
 
 
 @needs_kernel
-def test_packed_linear_layer_end_to_end():
+def test_packed_linear_layer_end_to_end(cpu_ops):
     """PackedLinear with the kernels: every row count through packed_linear by default (the tiles beat
     dequantizing for BLAS; on AVX2 up to PROMPT_TILE_ROWS rows), prompt-sized ones through the C
     dequantization and BLAS when the policy says so; both equal float math on the file's values, the

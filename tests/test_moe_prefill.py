@@ -26,7 +26,7 @@ from kvlab.model.moe import MoEBlock, route
 from kvlab.quant.activations import with_int8_activations
 from kvlab.sampling import SamplingParams
 
-pytestmark = [pytest.mark.usefixtures("one_thread"),
+pytestmark = [pytest.mark.usefixtures("one_thread", "cpu_ops"),
               pytest.mark.skipif(not moe_prefill.available(), reason="the C kernels are not built here")]  # fmt: skip
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)

@@ -177,6 +177,23 @@ class Server:
         return httpx.post(self.url + path, json=body, timeout=120)
 
 
+def kill_when_done(rank0: int, stopped: int, timeout: float = 120) -> None:
+    """SIGKILL the stopped rank once rank 0 has ended (exited, or a zombie torchrun has yet to reap):
+    torchrun would otherwise give it 30 s (its fixed shutdown grace) to take a SIGTERM it cannot run."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if Path(f"/proc/{rank0}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+                break
+        except OSError:  # gone
+            break
+        time.sleep(0.1)
+    try:
+        os.kill(stopped, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
 def kill(proc: subprocess.Popen) -> None:
     """A job and its ranks, if still there: torchrun starts each rank in a session of its own."""
     if proc.poll() is None:
@@ -232,13 +249,15 @@ def test_a_rank_that_stops_answering_ends_the_server_in_one_line(tiny_chat_model
     tp = Server(torchrun_cmd("-m", "kvlab", "serve", model, "--port", "0", "-tp", "2", *SMALL),
                 env={**ENV, "KVLAB_TP_TIMEOUT_S": "5"})  # fmt: skip
     try:
-        os.kill(tp.ranks()[1], signal.SIGSTOP)  # alive, but it never reaches the next collective
+        ranks = tp.ranks()
+        os.kill(ranks[1], signal.SIGSTOP)  # alive, but it never reaches the next collective
         started = time.monotonic()
         try:
             r = tp.post("/v1/completions", {"model": model, "prompt": "Hi", "max_tokens": 4})
             assert r.status_code >= 500
         except httpx.TransportError:
             pass  # the server went down with the request
+        kill_when_done(ranks[0], ranks[1])
         tp.proc.wait(120)
         assert time.monotonic() - started < 90
         err = "".join(tp.err)
@@ -259,7 +278,9 @@ def test_a_rank_that_stops_answering_ends_kvlab_run_in_one_line(tiny_chat_model)
                            env={**env, "KVLAB_TP_TIMEOUT_S": "5"})  # fmt: skip
     try:
         assert job.stdout.read(1)  # rank 0 has begun to print its answer: both ranks are generating
-        os.kill(ranks_of(job.pid)[1], signal.SIGSTOP)
+        ranks = ranks_of(job.pid)
+        os.kill(ranks[1], signal.SIGSTOP)
+        threading.Thread(target=kill_when_done, args=(ranks[0], ranks[1]), daemon=True).start()
         _, err = job.communicate(timeout=120)
         err = err.decode(errors="replace")
         kvlab_lines = [x for x in err.splitlines() if x.startswith("kvlab:")]  # torchrun adds "kvlab FAILED"

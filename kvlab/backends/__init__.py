@@ -7,8 +7,9 @@
 The model's modules are the description of every layer (its norms, products, rotary table, attention
 window and scale, MLP) and the oracle: they run prefill, every pass a backend does not take, and every
 device without a backend. A backend reads the same description once and runs whole decode steps of it.
-Today there is one, the CPU's (`cpu.py`: each decoder layer one C call, `kernels/decode.c`); a CUDA
-backend is another file here. Where none applies, `DecodePath.reason` says why in one phrase, which
+Today there is one, the CPU's (`cpu.py`: each decoder layer one C call, `kernels/decode.c`); which
+one a device gets is its ops' say (`ops.py`: `decode_backend`, a name `_backend_class` knows), so a
+CUDA backend is another file here, named by `CudaOps`. Where none applies, `DecodePath.reason` says why in one phrase, which
 `kvlab run` prints (and `--json` carries) instead of falling off the fast path silently.
 """
 
@@ -67,15 +68,23 @@ class _Named:
     name: str
 
 
-def choose_decode_path(model, cache=None) -> DecodePath:
-    """The decode backend for `model` on its device (and `cache`, when given: its formats and sizes),
-    or the modules with the reason."""
-    if model.device.type != "cpu":
-        return DecodePath(None, f"no decode backend for {model.device.type} yet: the modules run every step")
-    from kvlab.backends.cpu import CpuDecodeBackend
+def choose_decode_path(model, cache=None, ops=None) -> DecodePath:
+    """The decode backend for `model` run with `ops` (by default its device's, backends/ops.py) and
+    `cache`, when given (its formats and sizes), or the modules with the reason."""
+    from kvlab.backends.ops import ops_for
 
-    backend = CpuDecodeBackend.build(model)
+    ops = ops or ops_for(model.device)
+    if ops.decode_backend is None:
+        return DecodePath(None, f"no decode backend for {ops.name} ops yet: the modules run every step")
+    backend = _backend_class(ops.decode_backend).build(model)
     if isinstance(backend, str):
         return DecodePath(None, backend)
     reason = backend.cache_reason(cache) if cache is not None else None
     return DecodePath(None, reason) if reason else DecodePath(backend)
+
+
+def _backend_class(name: str):
+    """The decode backends by name (imported when first chosen: each reads the model's modules)."""
+    from kvlab.backends.cpu import CpuDecodeBackend
+
+    return {CpuDecodeBackend.name: CpuDecodeBackend}[name]

@@ -25,7 +25,7 @@ def _library():
 
 def applies(conv: torch.Tensor, ssm: torch.Tensor, rows: int) -> bool:
     """Whether the C step takes a decode batch of `rows` sequences over these state tensors."""
-    return (conv.device.type == "cpu" and conv.dtype == ssm.dtype == torch.float32 and conv.is_contiguous()
+    return (conv.dtype == ssm.dtype == torch.float32 and conv.is_contiguous()
             and ssm.is_contiguous() and ssm.shape[-1] <= 1024 and current().kernel_sized(rows)
             and _library() is not None)  # fmt: skip
 

@@ -5,8 +5,9 @@ the time to read the weights. PyTorch's CPU matmul reads them at well under the 
 when only one row comes in; `gemv.c` reads each matrix once, in order, on all threads. It is
 compiled at first use with the machine's C compiler (`-march=native`, with the thread pool of
 `pool.c`) into $KVLAB_HOME/kernels and loaded with ctypes. Whether a call uses it, and on how many
-threads, is the caller's thread policy (`kernels.policy`). Without a compiler, on CUDA, or with
-KVLAB_KERNELS=0, every call goes to `torch.nn.functional.linear`. A build that fails is never silent:
+threads, is the caller's thread policy (`kernels.policy`). Without a compiler, or with KVLAB_KERNELS=0,
+every call goes to `torch.nn.functional.linear`. Only the CPU's ops call these functions (kvlab/backends/
+ops.py): they take CPU tensors and never ask which device one is on. A build that fails is never silent:
 `build_error()` says why (and the decode backend names it as the reason it is off), one warning line
 goes to stderr, and with KVLAB_KERNELS=require (`make test`, CI) the failure is an error.
 
@@ -175,7 +176,7 @@ def gemv_available() -> bool:
 def linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, threads: int | None = None
 ) -> torch.Tensor:
-    """x [..., in] @ weight[out, in]ᵀ (+ bias [out]) → [..., out].
+    """x [..., in] @ weight[out, in]ᵀ (+ bias [out]) → [..., out], CPU tensors (the CPU's ops call it).
 
     threads: the GEMV pool's threads for this call (None: the thread policy in force, kernels.policy).
     Raises ValueError where the shapes do not fit, on every path.
@@ -185,9 +186,8 @@ def linear(
         raise ValueError(f"linear: threads must be at least 1, got {threads}")
     out_features, in_features = weight.shape
     rows = x.numel() // max(in_features, 1)
-    on_cpu = x.device.type == weight.device.type == "cpu" and (bias is None or bias.device.type == "cpu")
     policy = current()
-    if policy.kernel_sized(rows) and in_features > 0 and out_features < _MAX_OUT and on_cpu:
+    if policy.kernel_sized(rows) and in_features > 0 and out_features < _MAX_OUT:
         _ensure_loaded()
         fn = _kernels.get(weight.dtype)
         if fn is not None and weight.is_contiguous():
@@ -267,8 +267,8 @@ def _pool_held():
 
 
 def small_ops_apply(x: torch.Tensor, tokens: int) -> bool:
-    """Whether the C versions of the small ops take a float32 CPU tensor of `tokens` tokens (decode-sized)."""
-    if x.dtype != torch.float32 or x.device.type != "cpu" or not current().kernel_sized(tokens):
+    """Whether the C versions of the small ops take a float32 tensor of `tokens` tokens (decode-sized)."""
+    if x.dtype != torch.float32 or not current().kernel_sized(tokens):
         return False
     _ensure_loaded()
     return bool(_ops)

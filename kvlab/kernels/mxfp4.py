@@ -1,6 +1,6 @@
 """MXFP4 blocks (gpt-oss's experts): mxfp4.c's Python side, with the reference as the fallback.
 
-    applies(x)                 whether matmul takes x [rows, in] (decode-sized rows on a CPU, library built)
+    applies(x)                 whether matmul takes x [rows, in] (decode-sized rows, library built: the CPU's ops ask)
     matmul(x, part)            y [rows, out] float32 = x · Wᵀ, W a PackedTensor in MXFP4, every block read once
     dequantize(part)           float32 [out, in], bit for bit kvlab.quant.formats' (for prompt-sized products)
 
@@ -48,7 +48,7 @@ def available() -> bool:
 
 def applies(x: torch.Tensor) -> bool:
     rows = x.shape[0] if x.dim() == 2 else 0
-    return x.device.type == "cpu" and x.dim() == 2 and rows <= MAX_ROWS and current().kernel_sized(rows) and available()
+    return x.dim() == 2 and rows <= MAX_ROWS and current().kernel_sized(rows) and available()
 
 
 def _blocks(part) -> torch.Tensor:
@@ -75,7 +75,7 @@ def matmul(x: torch.Tensor, part, threads: int | None = None) -> torch.Tensor:
 
 def dequantize(part, threads: int | None = None) -> torch.Tensor:
     """The part's weights as float32 [out, in], the reference's bits (the reference itself without the library)."""
-    if not available() or part.data.device.type != "cpu":
+    if not available():
         return part.dequantize()
     out_features, in_features = part.shape
     data = _blocks(part)

@@ -1,7 +1,7 @@
 """ThreadPolicy: how an engine's passes use the CPU — its own object, handed down, never a process global.
 
     policy = ThreadPolicy(threads=2)               # an engine's (LLM(threads=...), --threads)
-    with policy.applied(num_rows):                 # around one forward: the driver does this
+    with ops.applied(policy, num_rows):            # around one forward: the driver does this (backends/ops.py)
         model(...)                                 # kernels read `current()`: threads, kernel on/off
 
 A decode-sized pass (at most `max_kernel_rows` rows) runs its products on the kernels' pool with
@@ -66,12 +66,11 @@ class ThreadPolicy:
             _current.reset(token)
 
     @contextmanager
-    def applied(self, num_rows: int, device: torch.device | None = None, pool: bool = False) -> Iterator[ThreadPolicy]:
-        """Around a forward of `num_rows` tokens: this policy active, and PyTorch's thread count set for it
-        (one thread for a decode-sized pass on a CPU where the kernels' `pool` is there to take the products)."""
-        torch_threads = self.threads
-        if (device is None or device.type == "cpu") and self.kernel_sized(num_rows) and pool:
-            torch_threads = 1
+    def applied(self, torch_threads: int | None = None) -> Iterator[ThreadPolicy]:
+        """Around a forward: this policy active, and PyTorch's thread count set to `torch_threads`
+        (None: `threads`). Which count a pass wants is its device's ops' say
+        (kvlab/backends/ops.py: one on a CPU whose kernels' pool takes a decode-sized pass's products)."""
+        torch_threads = torch_threads or self.threads
         before = torch.get_num_threads()
         if before != torch_threads:
             torch.set_num_threads(torch_threads)

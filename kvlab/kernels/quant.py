@@ -11,8 +11,8 @@ use) and share its thread pool. `packed_linear` reads each block once for all ro
 part of a fused matrix into its own columns of one output. Both kernels compute with exactly the
 reference's weight values (`kvlab.quant.formats`): `dequantize` returns its bits, and a product
 differs from float32 math on the dequantized matrix only in the order of its sums. Where the library
-is not built (no compiler), on another device, or for a format it lacks, `dequantize` is the
-reference and `applies` is False.
+is not built (no compiler), or for a format it lacks, `dequantize` is the reference and `applies` is
+False. Only the CPU's ops call these (kvlab/backends/ops.py): the blocks and x are CPU tensors.
 """
 
 from __future__ import annotations
@@ -79,11 +79,11 @@ def isa() -> str:
 
 
 def applies(x: torch.Tensor, formats: list[str], whole: bool = True) -> bool:
-    """Whether packed_linear takes x [rows, in] with parts in `formats`: a CPU pass the thread policy in
+    """Whether packed_linear takes x [rows, in] with parts in `formats`: a pass the thread policy in
     force gives the block kernels (any size by default: see ThreadPolicy.packed_prompts, up to
     PROMPT_TILE_ROWS where the build's tiles lose to BLAS), every format one the C kernels know.
     whole=False: x's rows are not one product's (a mixture's prompt, shared out among its experts)."""
-    if x.device.type != "cpu" or x.dim() != 2:
+    if x.dim() != 2:
         return False
     ids = _format_ids()
     if any(is_interleaved(f) for f in formats):  # no float copy to fall back on: every pass, any size
@@ -140,7 +140,7 @@ def _matmul_parts(lib, fmts: list[int], data: list[torch.Tensor], parts, x: torc
 def dequantize(part, threads: int | None = None) -> torch.Tensor:
     """The part's weights as float32 [rows, in], bit for bit the reference dequantization's."""
     ids = _format_ids()
-    if part.data.device.type != "cpu" or part.fmt not in ids:
+    if part.fmt not in ids:
         return part.dequantize()
     rows, in_features = part.shape
     data = _checked_blocks(part, in_features)
@@ -159,7 +159,7 @@ def interleave(part) -> tuple[str, torch.Tensor] | None:
     format has no interleaved form or the kernels are not built."""
     ids, lib = _format_ids(), _library()
     target = part.fmt + INTERLEAVED
-    if part.fmt not in ids or target not in ids or part.data.device.type != "cpu":
+    if part.fmt not in ids or target not in ids:
         return None
     rows, in_features = part.shape
     data = _checked_blocks(part, in_features)

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvlab.config import GatedDeltaNet as DeltaNetConfig
+from kvlab.backends.ops import current_ops
 from kvlab.config import ModelConfig
 from kvlab.errors import KvlabError
 from kvlab.kernels import deltanet as deltanet_c
@@ -88,7 +89,7 @@ def delta_rule_chunked(q, k, v, g, beta, S, chunk: int = CHUNK):
 
 def runs_in_c(pool, layer: int, rows: int) -> bool:
     """Whether a decode batch of `rows` sequences runs on the C step (float32 states on a CPU, kernels built)."""
-    return deltanet_c.applies(pool.conv[layer], pool.ssm[layer], rows)
+    return current_ops().deltanet_applies(pool.conv[layer], pool.ssm[layer], rows)
 
 
 class GatedDeltaNet(nn.Module):

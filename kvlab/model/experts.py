@@ -20,10 +20,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvlab.config import MoE
-from kvlab.kernels import current, linear, moe_prefill, quant
+from kvlab.backends.ops import current_ops
+from kvlab.kernels import current, moe_prefill
 from kvlab.quant.linear import PackedTensor, packed_product
 
-CHUNKED_ROWS = 4  # up to this many chunks of the kernels' rows, a packed expert's product stays on the kernels
 
 
 def group_by_expert(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
@@ -88,12 +88,9 @@ class Experts(nn.Module):
     def _product(self, name: str, e: int, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [n, in] times expert e's `name` matrix (+ its bias) → [n, out]."""
         if name not in self.formats:
-            return linear(x, getattr(self, name)[e], None if bias is None else bias[e])
+            return current_ops().linear(x, getattr(self, name)[e], None if bias is None else bias[e])
         parts, rows = self.expert_parts(name, e), current().max_kernel_rows
-        if x.device.type == "cpu" and rows < x.shape[0] <= CHUNKED_ROWS * rows:
-            # a prompt's rows for one expert (about tokens · k / E of them): the block kernels over chunks of
-            # rows read the expert's blocks a few times, where BLAS would first expand them all to float32
-            # (3× slower for Qwen3-30B-A3B's experts at 64 rows)
+        if current_ops().chunked_experts(x.shape[0]):  # a prompt's rows for one expert, in decode-sized chunks
             y = torch.cat([packed_product(x[i : i + rows], parts) for i in range(0, x.shape[0], rows)])
         else:
             y = packed_product(x, parts)  # float32 [n, out]
@@ -144,7 +141,7 @@ class Experts(nn.Module):
         if x.dtype != torch.float32 or weights.dtype != torch.float32 or not {"gate_up", "down"} <= self.formats.keys():
             return None
         formats = self.formats["gate_up"] + self.formats["down"]
-        if not quant.applies(x, formats, whole=False) or not moe_prefill.available():
+        if not current_ops().experts_applies(x, formats):
             return None
         from kvlab.backends.cpu_moe import describe_experts
 

@@ -14,9 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvlab.kernels import current, linear
+from kvlab.backends.ops import current_ops
 from kvlab.kernels.decode import activation_ids
-from kvlab.kernels.gemv import gated_act, rms_norm, small_ops_apply
+from kvlab.kernels.gemv import gated_act, rms_norm
 
 
 class RMSNorm(nn.Module):
@@ -28,7 +28,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(dim), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if small_ops_apply(x, x.numel() // x.shape[-1]) and self.weight.dtype == torch.float32:  # decode: one C call
+        if current_ops().small_ops(x, x.numel() // x.shape[-1]) and self.weight.dtype == torch.float32:  # decode: C
             return rms_norm(x, self.weight, self.eps)
         # written out: 5 small kernels, where F.rms_norm's CPU path dispatches about 15
         xf = x.float()
@@ -59,7 +59,7 @@ class OffsetRMSNorm(RMSNorm):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.offset == 0.0 and x.dtype == torch.float32:  # x̂ · w in float32: Llama's arithmetic exactly
             return super().forward(x)
-        if small_ops_apply(x, x.numel() // x.shape[-1]) and self.weight.dtype == torch.float32:
+        if current_ops().small_ops(x, x.numel() // x.shape[-1]) and self.weight.dtype == torch.float32:
             # decode: one C call with the weights offset + w (rounded once, as below), the decode backend's bits
             return rms_norm(x, self.offset + self.weight, self.eps)
         xf = x.float()
@@ -113,8 +113,8 @@ class Embedding(nn.Module):
 class Linear(nn.Module):
     """y = x Wᵀ (+ b). W [out, in] as in the checkpoints; `parts` names the output sizes of a fused one.
 
-    Goes through `kvlab.kernels.linear`, which streams the weights with a GEMV kernel when only a few
-    rows come in on a CPU (decode) and uses the BLAS matmul otherwise (prefill, CUDA).
+    Goes through the device's ops (kvlab/backends/ops.py): on a CPU a GEMV kernel streams the weights when
+    only a few rows come in (decode), and the BLAS matmul takes the rest (prefill); elsewhere PyTorch's.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, parts: tuple[int, ...] = ()):
@@ -126,13 +126,11 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return current_ops().linear(x, self.weight, self.bias)
 
     def forward_parts(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The products of a fused matrix, one per part: [..., part] each."""
-        if x.device.type == "cpu" and x.numel() // x.shape[-1] > current().max_kernel_rows:
-            # a prompt on a CPU: one BLAS product per part ran 4-7% faster than one over the whole
-            # fused matrix (SmolLM2's gate/up, 256 and 1,024 tokens, measured side by side)
+        if current_ops().products_apart(x.numel() // x.shape[-1]):  # a prompt on a CPU (see CpuOps)
             weights = self.weight.split(self.parts)
             biases = self.bias.split(self.parts) if self.bias is not None else [None] * len(self.parts)
             return tuple(F.linear(x, w, b) for w, b in zip(weights, biases))
@@ -171,7 +169,7 @@ class GatedMLP(nn.Module):
         raise NotImplementedError
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if small_ops_apply(x, x.numel() // x.shape[-1]):  # decode: the activation is the C step's own (its bits)
+        if current_ops().small_ops(x, x.numel() // x.shape[-1]):  # decode: the activation is the C step's own (its bits)
             act_id = activation_ids().get(self.activation)
             gate_up = self.gate_up_proj(x)
             if act_id is not None and gate_up.dtype == torch.float32:

@@ -129,10 +129,11 @@ def keeps_blocks(path: Path, device: torch.device, dequantize: bool = False, qua
 
 def native_blocks_supported(device: torch.device) -> bool:
     """Whether matrices can stay in their block formats here at a usable speed: on a CPU with the C
-    kernels, or on CUDA (dequantized per layer on the device); elsewhere they are expanded at load."""
-    from kvlab.kernels import quant
+    kernels, or on CUDA (dequantized per layer on the device); elsewhere they are expanded at load (the
+    device's ops say: kvlab/backends/ops.py)."""
+    from kvlab.backends.ops import ops_for
 
-    return device.type == "cuda" or (device.type == "cpu" and quant.available())
+    return ops_for(device).keeps_blocks
 
 
 def weight_format(model: Transformer, quantization: str | None = None) -> str:

@@ -11,7 +11,8 @@ import math
 import torch
 
 from kvlab.config import RopeConfig
-from kvlab.kernels.gemv import rope_in_place, small_ops_apply
+from kvlab.backends.ops import current_ops
+from kvlab.kernels.gemv import rope_in_place
 
 
 def inverse_frequencies(rope: RopeConfig, head_dim: int) -> tuple[torch.Tensor, float]:
@@ -112,6 +113,6 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -
     if cos.shape[-1] < x.shape[-1]:
         rotated = apply_rotary(x[..., : cos.shape[-1]].contiguous(), cos, signed_sin)
         return torch.cat([rotated, x[..., cos.shape[-1] :]], dim=-1)
-    if small_ops_apply(x, x.shape[0] * x.shape[1]) and rope_in_place(x, cos, signed_sin):
+    if current_ops().small_ops(x, x.shape[0] * x.shape[1]) and rope_in_place(x, cos, signed_sin):
         return x
     return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), signed_sin)

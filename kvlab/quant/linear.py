@@ -6,8 +6,8 @@
 
 They implement the linear layer's seam (`forward`, `forward_parts`, `nbytes`,
 `bytes_read_per_token`, `macs_per_token`), so the model, the roofline and the memory plan use them
-as they use `kvlab.model.layers.Linear`. On a CPU every pass goes to the C kernels, which read the
-blocks directly (`kvlab.kernels.quant`: one block decoded once for up to 32 rows, faster than
+as they use `kvlab.model.layers.Linear`. Which code multiplies is the device's ops' say
+(kvlab/backends/ops.py). On a CPU every pass goes to the C kernels, which read the blocks directly (`kvlab.kernels.quant`: one block decoded once for up to 32 rows, faster than
 dequantizing for BLAS even for prompt chunks; `ThreadPolicy.packed_prompts=False` sends prompt-sized
 passes to BLAS instead); anywhere the C kernels are not (CUDA, no compiler) the reference
 dequantization in `kvlab.quant.formats` serves every call. With `--activation-quant int8` the parts
@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvlab.backends.ops import current_ops
 from kvlab.quant.formats import FORMATS, BlockFormat
 
 
@@ -41,31 +42,23 @@ class PackedTensor:
         return self.format.dequantize(self.data, self.shape[1])
 
 
-def _kernels():
-    from kvlab.kernels import quant
-
-    return quant
-
-
 def packed_product(x: torch.Tensor, parts: list[PackedTensor]) -> torch.Tensor:
-    """x [rows, in] times the parts stacked by rows → float32 [rows, Σ part rows]: quant.c's kernels when
-    they take the call (decode-sized rows, their formats), else part by part (`part_product`)."""
-    kernels = _kernels()
-    if kernels.applies(x, [p.fmt for p in parts]):
-        return kernels.packed_linear(x, parts, sum(p.shape[0] for p in parts))
+    """x [rows, in] times the parts stacked by rows → float32 [rows, Σ part rows]: the device's block
+    kernels when they take the call (on a CPU: quant.c's, for decode-sized rows in their formats), else
+    part by part (`part_product`)."""
+    ops = current_ops()
+    if ops.packed_applies(x, [p.fmt for p in parts]):
+        return ops.packed_linear(x, parts, sum(p.shape[0] for p in parts))
     return torch.cat([part_product(x, p) for p in parts], dim=-1)
 
 
 def part_product(x: torch.Tensor, part: PackedTensor) -> torch.Tensor:
     """x [rows, in] · Wᵀ for one stored matrix, float32: MXFP4 by its own kernel (kernels/mxfp4.c) when
     decode-sized; otherwise the matrix dequantized to float32 (C, or the reference), then one BLAS product."""
-    if part.fmt == "MXFP4":
-        from kvlab.kernels import mxfp4
-
-        if mxfp4.applies(x):
-            return mxfp4.matmul(x, part)
-        return F.linear(x.float(), mxfp4.dequantize(part))
-    return F.linear(x.float(), _kernels().dequantize(part))
+    ops = current_ops()
+    if part.fmt == "MXFP4" and ops.mxfp4_applies(x):
+        return ops.mxfp4_matmul(x, part)
+    return F.linear(x.float(), ops.dequantize(part))
 
 
 class PackedLinear(nn.Module):
@@ -98,9 +91,9 @@ class PackedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead, rows = x.shape[:-1], x.numel() // self.in_features
         x2 = x.reshape(rows, self.in_features)
-        kernels = _kernels()
-        if kernels.applies(x2, self.formats):
-            y = kernels.packed_linear(x2, self.packed(), self.out_features)
+        ops = current_ops()
+        if ops.packed_applies(x2, self.formats):
+            y = ops.packed_linear(x2, self.packed(), self.out_features)
         else:
             y = torch.cat([self._dense_product(x2, p) for p in self.packed()], dim=-1)
         if self.bias is not None:

@@ -4,8 +4,9 @@
     logits = driver.run(input_ids, paged, meta, index)    # the paged cache: the runner built `meta`
 
 Every caller of the model (the serving engine's runner, the reference engine, the lab, the tests)
-goes through it, so the thread policy (its engine's own: kvlab.kernels.policy), inference mode and
-the plan → forward → commit order live in one place. A paged decode step runs on the model's decode
+goes through it, so the device's ops (kvlab/backends/ops.py: which code computes a module's products
+and small ops, chosen here once), the thread policy (its engine's own: kvlab.kernels.policy), inference
+mode and the plan → forward → commit order live in one place. A paged decode step runs on the model's decode
 backend (kvlab/backends: on a CPU each decoder layer one C call) where there is one, else the modules.
 """
 
@@ -13,17 +14,19 @@ from __future__ import annotations
 
 import torch
 
+from kvlab.backends.ops import ops_for
 from kvlab.kernels import ThreadPolicy
-from kvlab.kernels.gemv import gemv_available
 from kvlab.kv.cache import KVCache, SingleBatchKVCache
 
 
 class ModelDriver:
-    """Runs `model` under `policy` (its engine's thread policy; by default torch's thread count)."""
+    """Runs `model` under `policy` (its engine's thread policy; by default torch's thread count) with its
+    device's ops (kvlab/backends/ops.py; `ops` given: those, as a test runs PyTorch's own on a CPU)."""
 
-    def __init__(self, model, policy: ThreadPolicy | None = None):
+    def __init__(self, model, policy: ThreadPolicy | None = None, ops=None):
         self.model = model
         self.policy = policy or ThreadPolicy()
+        self.ops = ops or ops_for(model.device)  # chosen once, in force around every pass
         self._decode_path = None  # the decode backend (kvlab/backends), chosen at the first decode pass
 
     @property
@@ -49,7 +52,7 @@ class ModelDriver:
             if not isinstance(cache, SingleBatchKVCache):
                 raise TypeError(f"{type(cache).__name__} needs the pass's metadata from its caller")
             meta = cache.plan(input_ids.shape[1])
-        with self.policy.applied(input_ids.numel(), self.device, pool=gemv_available()):
+        with self.ops.applied(self.policy, input_ids.numel()):
             fused = self._fused_step(input_ids, cache, meta, logits_index)
             if fused is not None:
                 logits = fused.run(input_ids, cache, meta, logits_index, self.policy)
@@ -72,7 +75,7 @@ class ModelDriver:
         if self._decode_path is None:
             from kvlab.backends import choose_decode_path
 
-            self._decode_path = choose_decode_path(self.model)
+            self._decode_path = choose_decode_path(self.model, ops=self.ops)
         path = self._decode_path
         if cache is not None and path.backend is not None:
             from kvlab.backends import DecodePath

@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvlab.backends.ops import ops_for
 from kvlab.kernels import ThreadPolicy
-from kvlab.kernels.gemv import gemv_available
 from kvlab.kv.cache import AttentionMetadata, build_metadata, window_mask
 from kvlab.kv.layout import KVGroup, window_start
 from kvlab.kv.paged import AttentionGroup, KVGroupMetadata, PagedKVCache, PagedMetadata
@@ -82,7 +82,7 @@ class ModelRunner:
         self.mask_windows = [sorted({cache.layout.layer_windows[i] for i in g.layers} - {None})
                              for g in cache.layout.groups]  # fmt: skip
         self.pack_prompts = pack_prompts
-        self.driver = ModelDriver(model, policy)
+        self.driver = ModelDriver(model, policy, ops_for(self.device))  # the cache's device's ops
         # every sequence's sampling state (seeded generators, penalty counts, grammar matchers)
         self.sampler = sampler or BatchSampler(model.config.vocab_size if model is not None else 0, self.device)
         self.spec = None  # a SpecDecoder (spec_decode/) when the engine speculates: drafts, verifies, counts
@@ -268,7 +268,7 @@ class ModelRunner:
         groups = row_groups(requests)
         if len(groups) < len(requests):
             return self._sample_verifying(groups, logits)
-        with self.driver.policy.applied(len(requests), self.device, pool=gemv_available()):
+        with self.driver.ops.applied(self.driver.policy, len(requests)):
             out = self.sampler.sample(requests, logits)
         return StepResult({sid: [t] for sid, t in out.tokens.items()},
                           logprobs={sid: [lp] for sid, lp in out.logprobs.items()}, forks=out.forks)  # fmt: skip
@@ -280,7 +280,7 @@ class ModelRunner:
             index = torch.tensor([lo for _, lo in plain], device=logits.device)
             result = self.sample([r for r, _ in plain], logits[index])
         verifying = [(r, lo, hi) for r, lo, hi in groups if hi - lo > 1]
-        with self.driver.policy.applied(len(verifying), self.device, pool=gemv_available()):
+        with self.driver.ops.applied(self.driver.policy, len(verifying)):
             fast = [(r, lo, hi) for r, lo, hi in verifying if r.params.is_plain_greedy]
             if fast:
                 rows = torch.cat([logits[lo:hi] for _, lo, hi in fast])

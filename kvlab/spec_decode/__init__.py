@@ -165,7 +165,7 @@ class SpecDecoder:
             raise KvlabError("speculative decoding needs the KV cache: drop --no-cache")
         runner, max_len = target.runner, target.pool_plan.max_model_len
         policy = runner.driver.policy  # drafts stay decode-sized: the CPU's kernels and decode backend take them
-        row_cap = policy.max_kernel_rows if target.cache.device.type == "cpu" and policy.use_kernels else None
+        row_cap = policy.max_kernel_rows if runner.driver.ops.kernel_rows and policy.use_kernels else None
         if config.method == "mtp":  # the model's own module (kvlab.model.mtp), loaded only now
             from kvlab.model.mtp import load_mtp_head
             from kvlab.spec_decode.mtp_proposer import MTPProposer

@@ -40,7 +40,7 @@ class MTPProposer(DraftModelProposer):
         """The target pass just run over `chunks` (packed order): keep each row's final hidden state."""
         if self._captured is None:
             return
-        with torch.inference_mode():
+        with torch.inference_mode(), self.runner.driver.ops.active():  # the device's ops, as in a pass
             h = self.target.norm(self._captured)[0]  # [N, E]
         self._captured = None
         at = 0

@@ -1,0 +1,207 @@
+"""The ops a device kind runs the model's modules with: chosen once per model, in force around its passes.
+
+    ops = ops_for(model.device)                  # the driver, when it is built (at load)
+    with ops.applied(policy, num_rows):          # around one forward (kvlab/runner/driver.py)
+        model(...)                               # the modules ask `current_ops()` for their products
+
+The modules are one description of every layer; which code computes a product, a norm or a rotation
+is not theirs to decide by looking at a tensor's device. They ask the ops in force:
+
+- `TorchOps` is PyTorch's own code and runs on any device. It is also what a module runs when it is
+  called outside a driver (a test poking one layer): correct anywhere, never fast by accident.
+- `CpuOps` hands decode-sized passes to the C kernels (kvlab/kernels/: the streaming GEMV, the block
+  formats' products, the small ops of a decode step, the Gated DeltaNet's and the experts' C calls)
+  where the thread policy in force says so, and names the C decode backend (backends/cpu.py).
+- `CudaOps` is today PyTorch's code with GGUF blocks kept on the device (dequantized per layer); a CUDA
+  fast path is its methods overridden here, and a CUDA decode backend a file beside cpu.py that its
+  `decode_backend` names.
+
+The kernels under kvlab/kernels/ never ask which device a tensor is on: the ops that call them are the
+CPU's. Which ops a device kind gets is the one table `OPS`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+
+import torch
+import torch.nn.functional as F
+
+from kvlab.kernels.policy import ThreadPolicy, current
+
+
+class TorchOps:
+    """PyTorch's own code, on any device."""
+
+    name = "torch"
+    decode_backend: str | None = None  # the name of the decode backend it runs decode steps on (kvlab/backends)
+    keeps_blocks = False  # GGUF blocks stay packed on this device (else they are expanded at load)
+    kernel_rows = False  # decode-sized passes have kernels here (speculative drafts are capped to their rows)
+
+    @contextmanager
+    def applied(self, policy: ThreadPolicy, num_rows: int) -> Iterator[ThreadPolicy]:
+        """Around a forward of `num_rows` tokens: these ops and `policy` in force (PyTorch's thread count
+        set for the pass)."""
+        with self.active(), policy.applied(self.torch_threads(policy, num_rows)):
+            yield policy
+
+    @contextmanager
+    def active(self) -> Iterator[TorchOps]:
+        """These ops in force in this thread for the block's duration (a test running one module)."""
+        token = _current.set(self)
+        try:
+            yield self
+        finally:
+            _current.reset(token)
+
+    def torch_threads(self, policy: ThreadPolicy, num_rows: int) -> int:
+        return policy.threads
+
+    # ---- the products ---------------------------------------------------------------------------------
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x [..., in] @ weight[out, in]ᵀ (+ bias)."""
+        return F.linear(x, weight, bias)
+
+    def products_apart(self, num_rows: int) -> bool:
+        """Whether a fused matrix's parts are multiplied one by one for a pass of `num_rows` rows."""
+        return False
+
+    def packed_applies(self, x: torch.Tensor, formats: list[str], whole: bool = True) -> bool:
+        """Whether `packed_linear` takes x [rows, in] times parts in `formats` (see kernels/quant.applies)."""
+        return False
+
+    def packed_linear(self, x: torch.Tensor, parts, out_features: int) -> torch.Tensor:
+        raise NotImplementedError(f"{self.name} ops multiply no GGUF blocks directly (packed_applies is False)")
+
+    def dequantize(self, part) -> torch.Tensor:
+        """A packed part's weights as float32 [rows, in], the reference's bits."""
+        return part.dequantize()
+
+    def mxfp4_applies(self, x: torch.Tensor) -> bool:
+        return False
+
+    def mxfp4_matmul(self, x: torch.Tensor, part) -> torch.Tensor:
+        raise NotImplementedError(f"{self.name} ops have no MXFP4 kernel (mxfp4_applies is False)")
+
+    def chunked_experts(self, num_rows: int) -> bool:
+        """Whether one expert's `num_rows` prompt rows go to the block kernels in decode-sized chunks."""
+        return False
+
+    def experts_applies(self, x: torch.Tensor, formats: list[str]) -> bool:
+        """Whether a prompt's routed experts run as one C call (kernels/moe_prefill.py)."""
+        return False
+
+    # ---- the small ops of a decode step ---------------------------------------------------------------
+
+    def small_ops(self, x: torch.Tensor, tokens: int) -> bool:
+        """Whether rms_norm, gated_act and rope_in_place take x (a decode-sized float32 pass)."""
+        return False
+
+    def deltanet_applies(self, conv: torch.Tensor, ssm: torch.Tensor, rows: int) -> bool:
+        """Whether a Gated DeltaNet decode segment of `rows` sequences runs as one C call."""
+        return False
+
+class CudaOps(TorchOps):
+    """CUDA: PyTorch's code, GGUF blocks kept on the device. A CUDA fast path overrides methods here."""
+
+    name = "cuda"
+    keeps_blocks = True  # dequantized per layer on the device (kvlab/quant/linear.py)
+
+
+class CpuOps(TorchOps):
+    """The CPU: the C kernels for decode-sized passes and GGUF blocks, PyTorch (BLAS) for the rest."""
+
+    name = "cpu"
+    decode_backend = "cpu-c"  # backends/cpu.py: each decoder layer one C call
+    kernel_rows = True
+
+    @property
+    def keeps_blocks(self) -> bool:
+        from kvlab.kernels import quant
+
+        return quant.available()
+
+    def torch_threads(self, policy: ThreadPolicy, num_rows: int) -> int:
+        # a decode-sized pass: the kernels' pool takes the products; PyTorch's small ops on one thread (its
+        # OpenMP workers would spin on the cores the pool needs)
+        from kvlab.kernels.gemv import gemv_available
+
+        return 1 if policy.kernel_sized(num_rows) and gemv_available() else policy.threads
+
+    def linear(self, x, weight, bias=None):
+        from kvlab.kernels.gemv import linear
+
+        return linear(x, weight, bias)
+
+    def products_apart(self, num_rows: int) -> bool:
+        # a prompt on a CPU: one BLAS product per part ran 4-7% faster than one over the whole fused matrix
+        # (SmolLM2's gate/up, 256 and 1,024 tokens, measured side by side)
+        return num_rows > current().max_kernel_rows
+
+    def packed_applies(self, x, formats, whole=True):
+        from kvlab.kernels import quant
+
+        return quant.applies(x, formats, whole)
+
+    def packed_linear(self, x, parts, out_features):
+        from kvlab.kernels import quant
+
+        return quant.packed_linear(x, parts, out_features)
+
+    def dequantize(self, part):
+        from kvlab.kernels import mxfp4, quant
+
+        return mxfp4.dequantize(part) if part.fmt == "MXFP4" else quant.dequantize(part)
+
+    def mxfp4_applies(self, x):
+        from kvlab.kernels import mxfp4
+
+        return mxfp4.applies(x)
+
+    def mxfp4_matmul(self, x, part):
+        from kvlab.kernels import mxfp4
+
+        return mxfp4.matmul(x, part)
+
+    def chunked_experts(self, num_rows):
+        # a prompt's rows for one expert (about tokens · k / E of them): the block kernels over chunks of rows
+        # read the expert's blocks a few times, where BLAS would first expand them all to float32 (3× slower
+        # for Qwen3-30B-A3B's experts at 64 rows); up to CHUNKED_ROWS chunks
+        rows = current().max_kernel_rows
+        return rows < num_rows <= CHUNKED_ROWS * rows
+
+    def experts_applies(self, x, formats):
+        from kvlab.kernels import moe_prefill, quant
+
+        return quant.applies(x, formats, whole=False) and moe_prefill.available()
+
+    def small_ops(self, x, tokens):
+        from kvlab.kernels.gemv import small_ops_apply
+
+        return small_ops_apply(x, tokens)
+
+    def deltanet_applies(self, conv, ssm, rows):
+        from kvlab.kernels import deltanet
+
+        return deltanet.applies(conv, ssm, rows)
+
+
+CHUNKED_ROWS = 4  # up to this many chunks of the kernels' rows, a packed expert's product stays on the kernels
+TORCH = TorchOps()
+OPS: dict[str, TorchOps] = {"cpu": CpuOps(), "cuda": CudaOps()}  # device type → its ops; any other: TORCH
+
+
+def ops_for(device: torch.device | str) -> TorchOps:
+    """The ops of a device kind (the one place a device type chooses code)."""
+    return OPS.get(torch.device(device).type, TORCH)
+
+
+_current: ContextVar[TorchOps] = ContextVar("kvlab_ops", default=TORCH)
+
+
+def current_ops() -> TorchOps:
+    """The ops in force in this thread (a driver's, around its passes); outside any, PyTorch's own."""
+    return _current.get()
