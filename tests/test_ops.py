@@ -106,3 +106,7 @@ def test_pytorchs_ops_never_call_a_kernel(monkeypatch):
     assert not ops.small_ops(x, 2) and not ops.packed_applies(x, ["Q8_0"]) and not ops.mxfp4_applies(x)
     assert not ops.products_apart(10**6) and not ops.chunked_experts(100) and not ops.experts_applies(x, ["Q8_0"])
     assert not ops.deltanet_applies(x, x, 1) and not ops.kernel_rows
+    from kvlab.quant.linear import PackedTensor
+
+    part = PackedTensor("F32", (8, 16), w.contiguous().view(torch.uint8).view(8, 64))
+    assert torch.equal(ops.packed_linear(x, [part, part], 16), torch.cat([x @ w.T] * 2, dim=-1))

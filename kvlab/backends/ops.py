@@ -74,7 +74,8 @@ class TorchOps:
         return False
 
     def packed_linear(self, x: torch.Tensor, parts, out_features: int) -> torch.Tensor:
-        raise NotImplementedError(f"{self.name} ops multiply no GGUF blocks directly (packed_applies is False)")
+        """x [rows, in] times the parts stacked by rows, float32: here each part dequantized, then F.linear."""
+        return torch.cat([F.linear(x.float(), self.dequantize(part)) for part in parts], dim=-1)
 
     def dequantize(self, part) -> torch.Tensor:
         """A packed part's weights as float32 [rows, in], the reference's bits."""
@@ -84,7 +85,8 @@ class TorchOps:
         return False
 
     def mxfp4_matmul(self, x: torch.Tensor, part) -> torch.Tensor:
-        raise NotImplementedError(f"{self.name} ops have no MXFP4 kernel (mxfp4_applies is False)")
+        """x [rows, in] · Wᵀ for an MXFP4 part, float32: here the reference's weights, then F.linear."""
+        return F.linear(x.float(), self.dequantize(part))
 
     def chunked_experts(self, num_rows: int) -> bool:
         """Whether one expert's `num_rows` prompt rows go to the block kernels in decode-sized chunks."""
