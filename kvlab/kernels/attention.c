@@ -6,10 +6,11 @@
 #include "step.h"
 #include "pool.h"
 
-// ---- attention: one work item per (sequence, chunk of keys), every head ------------------------
+// ---- attention: one work item per (sequence, chunk of keys, query heads of one kv head) -------
 //
 // A kv head's group of query heads share its keys and values: each cached row is decoded once and
-// used by all of them. Per chunk: scores first (q · k / sqrt(D) for each key), then each head's
+// used by the heads of the item (all of its group, or a part of it where a short context leaves too
+// few items for the threads: each head's numbers are its own, so any split gives the same bits). Per chunk: scores first (q · k / sqrt(D) for each key), then each head's
 // softmax over the chunk (relative to the chunk's largest score), then the weighted sum of the
 // values. `merge` then combines the chunks of each head, exactly as one softmax over all keys.
 
@@ -21,6 +22,8 @@ typedef struct {
     float* scores;     // [B · H, max_keys]
     float* partial;    // [B, chunks, H, D + 2]: per chunk and head, its max score, sum of weights, Σ weight · v
     int64_t chunks;    // chunks per sequence (num_chunks(max_keys))
+    int64_t parts;     // items per (sequence, chunk): kv heads × parts of each group of query heads
+    int64_t per_part;  // query heads an item takes
 } Attend;
 
 // a · b over D floats
@@ -97,8 +100,12 @@ static void attend_items(void* ctx, uint32_t begin, uint32_t end) {
     const int64_t qkv_row = (H + 2 * Hkv) * D, bs = S->block_size, stride = S->max_keys;
     const float scale = L->qk_scale;
     float kbuf[MAX_HEAD_DIM], vbuf[MAX_HEAD_DIM], kbuf8[8 * MAX_HEAD_DIM];
+    const int64_t split = a->parts / Hkv;  // parts of a group
     for (uint32_t item = begin; item < end; item++) {
-        const int64_t b = item / a->chunks, c = item % a->chunks, n = S->num_keys[b], first = S->first_key[b];
+        const int64_t part = item % a->parts, seq_chunk = item / a->parts;
+        const int64_t b = seq_chunk / a->chunks, c = seq_chunk % a->chunks, n = S->num_keys[b], first = S->first_key[b];
+        const int64_t g0 = part / split, h0 = g0 * group + part % split * a->per_part;  // kv head g0, heads h0 ..
+        const int64_t h1 = h0 + a->per_part < (g0 + 1) * group ? h0 + a->per_part : (g0 + 1) * group;
         const int64_t start = c * CHUNK_KEYS, hi = start + CHUNK_KEYS < n ? start + CHUNK_KEYS : n;
         if (start >= n || hi <= first) continue;  // past this sequence's keys, or before its window (merge skips it)
         const int64_t lo = start > first ? start : first;  // a window may begin inside the chunk
@@ -115,28 +122,30 @@ static void attend_items(void* ctx, uint32_t begin, uint32_t end) {
                 int64_t slots[8];
                 for (int r = 0; r < 8; r++) slots[r] = slot_of(table, t + r, bs);
                 const int64_t ahead = t + 8 + PREFETCH_AHEAD < hi ? t + 8 + PREFETCH_AHEAD : -1;
-                for (int64_t g = 0; g < Hkv; g++) {
+                {
+                    const int64_t g = g0;
                     if (ahead >= 0)
                         for (int r = 0; r < 8; r++)
                             prefetch_vector(&S->k, slot_of(table, ahead + r, bs) * Hkv + g, D);
                     const float* k[8];
                     for (int r = 0; r < 8; r++) k[r] = decode_vector(&S->k, slots[r] * Hkv + g, D, kbuf8 + r * D);
-                    for (int64_t h = g * group; h < (g + 1) * group; h++)
+                    for (int64_t h = h0; h < h1; h++)
                         store8(scores + h * stride + t, dot8(q + h * D, k, D) * scale);
                 }
             }
         for (; t < hi; t++) {
             const int64_t slot = slot_of(table, t, bs), ahead = t + PREFETCH_AHEAD;
             const int64_t slot_ahead = ahead < hi ? slot_of(table, ahead, bs) : -1;
-            for (int64_t g = 0; g < Hkv; g++) {
+            {
+                const int64_t g = g0;
                 if (slot_ahead >= 0) prefetch_vector(&S->k, slot_ahead * Hkv + g, D);
                 const float* k = decode_vector(&S->k, slot * Hkv + g, D, kbuf);
-                for (int64_t h = g * group; h < (g + 1) * group; h++)
+                for (int64_t h = h0; h < h1; h++)
                     scores[h * stride + t] = dot(q + h * D, k, D) * scale;
             }
         }
         // each head's weights over the chunk, relative to the chunk's largest score
-        for (int64_t h = 0; h < H; h++) {
+        for (int64_t h = h0; h < h1; h++) {
             float* s = scores + h * stride;
             float top = -INFINITY, sum = 0.0f;
             for (int64_t t = lo; t < hi; t++) top = s[t] > top ? s[t] : top;
@@ -165,13 +174,14 @@ static void attend_items(void* ctx, uint32_t begin, uint32_t end) {
                 int64_t slots[8];
                 for (int r = 0; r < 8; r++) slots[r] = slot_of(table, t + r, bs);
                 const int64_t ahead = t + 8 + PREFETCH_AHEAD < hi ? t + 8 + PREFETCH_AHEAD : -1;
-                for (int64_t g = 0; g < Hkv; g++) {
+                {
+                    const int64_t g = g0;
                     if (ahead >= 0)
                         for (int r = 0; r < 8; r++)
                             prefetch_vector(&S->v, slot_of(table, ahead + r, bs) * Hkv + g, D);
                     const float* v[8];
                     for (int r = 0; r < 8; r++) v[r] = decode_vector(&S->v, slots[r] * Hkv + g, D, kbuf8 + r * D);
-                    for (int64_t h = g * group; h < (g + 1) * group; h++) {
+                    for (int64_t h = h0; h < h1; h++) {
                         const float* p = scores + h * stride + t;
                         float* o = partial + h * (D + 2) + 2;
                         for (int64_t i = 0; i + 8 <= D; i += 8) {
@@ -185,10 +195,11 @@ static void attend_items(void* ctx, uint32_t begin, uint32_t end) {
         for (; t < hi; t++) {
             const int64_t slot = slot_of(table, t, bs), ahead = t + PREFETCH_AHEAD;
             const int64_t slot_ahead = ahead < hi ? slot_of(table, ahead, bs) : -1;
-            for (int64_t g = 0; g < Hkv; g++) {
+            {
+                const int64_t g = g0;
                 if (slot_ahead >= 0) prefetch_vector(&S->v, slot_ahead * Hkv + g, D);
                 const float* v = decode_vector(&S->v, slot * Hkv + g, D, vbuf);
-                for (int64_t h = g * group; h < (g + 1) * group; h++)
+                for (int64_t h = h0; h < h1; h++)
                     axpy(partial + h * (D + 2) + 2, scores[h * stride + t], v, D);
             }
         }
@@ -228,8 +239,13 @@ static void merge(const Attend* a) {
 
 void kvlab_decode_attention(const Layer* L, const Step* S, const float* qkv, float* out, float* scores, float* partial,
                             int threads) {
-    const int64_t chunks = num_chunks(S->max_keys);
-    Attend a = {L, S, qkv, out, scores, partial, chunks};
-    kvlab_pool_run(attend_items, &a, (uint32_t)(S->batch * chunks), 1, threads);
+    const int64_t chunks = num_chunks(S->max_keys), group = L->heads / L->kv_heads;
+    // each kv head's group of query heads split until the items give every thread two, or one head each
+    int64_t split = 1;
+    while (split < group && S->batch * chunks * L->kv_heads * split < 2 * threads) split++;
+    const int64_t per_part = (group + split - 1) / split;
+    split = (group + per_part - 1) / per_part;  // no part left empty
+    Attend a = {L, S, qkv, out, scores, partial, chunks, L->kv_heads * split, per_part};
+    kvlab_pool_run(attend_items, &a, (uint32_t)(S->batch * chunks * a.parts), 1, threads);
     merge(&a);
 }
