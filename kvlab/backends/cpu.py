@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+import weakref
 
 import torch
 
@@ -64,8 +65,10 @@ class CpuDecodeBackend:
         self.model, self.layers, self.lib = model, layers, lib
         self._keep = keep  # tensors the descriptions point at that the model does not hold (1 + w)
         self._checked: dict[int, str | None] = {}  # id(cache) → cache_reason, asked once per cache
+        self._plan_of: tuple | None = None  # (a weak reference to the cache, its per-layer plan): see _plan
         self.kv_ids = kv_format_ids()  # decode.c's id of each KV storage format, asked once
-        attns = [layer.attn for layer in model.layers if _is_attention(layer.attn)] or [None]
+        self._attentions = [layer.attn for layer in model.layers if _is_attention(layer.attn)]
+        attns = self._attentions or [None]
         c = model.config
         self.geometry = (c.hidden_size, max(getattr(a, "num_heads", 0) for a in attns),
                          max(getattr(a, "num_kv_heads", 0) for a in attns), max(getattr(a, "head_dim", 0) for a in attns),
@@ -115,7 +118,7 @@ class CpuDecodeBackend:
         tokens = input_ids.shape[1]
         if not isinstance(meta, PagedMetadata) or not policy.kernel_sized(tokens) or self.cache_reason(cache):
             return False
-        if any(_is_attention(layer.attn) and layer.attn.attend is not sdpa_attention for layer in self.model.layers):
+        if any(attn.attend is not sdpa_attention for attn in self._attentions):
             return False  # the lab's set_attention since
         if self.hybrid and not _one_decode_segment(getattr(meta, "states", None), tokens):
             return False
@@ -151,23 +154,27 @@ class CpuDecodeBackend:
             state_slots = torch.tensor(meta.states.segments[0].slots, dtype=torch.int64)
             step.state_slots = state_slots.data_ptr()
         angles = {}  # one cos/sin lookup per rotary table: [B, D] each
-        run_layer = self.lib["layer"]
-        for i, (desc, layer) in enumerate(zip(self.layers, model.layers)):
-            if desc.deltanet:
+        run_layer, step_ref, x_ptr, threads = self.lib["layer"], ctypes.byref(step), x.data_ptr(), policy.threads
+        unset = object()
+        last = (unset, unset, unset)  # the rotary table, KV group and window the step's fields hold now
+        for i, (entry, layer) in enumerate(zip(self._plan(cache, k_fmt, v_fmt), model.layers)):
+            if entry.deltanet:
                 index = layer.attn.state_index
                 step.conv_state, step.ssm_state = cache.states.conv[index].data_ptr(), cache.states.ssm[index].data_ptr()
-            else:
-                rope, kv = layer.attn.rope, layer.attn.layer_index  # kv: its layer among those the cache holds
-                if rope not in angles:
-                    table = model._rotary_of(rope)
-                    angles[rope] = (table.cos[positions].contiguous(), table.sin[positions].contiguous())
-                cos, sin = angles[rope]
-                view = groups[cache.placement[kv][0]]
-                step.cos, step.signed_sin = cos.data_ptr(), sin.data_ptr()
-                step.slots, step.block_tables, step.table_stride = view.slots, view.tables_ptr, view.stride
-                step.num_keys, step.first_key = view.num_keys_ptr, view.first_key(layer.attn.window)
-                step.k, step.v = _store(k_fmt, cache.k_parts[kv]), _store(v_fmt, cache.v_parts[kv])
-            status = run_layer(ctypes.byref(desc), ctypes.byref(step), x.data_ptr(), policy.threads)
+            else:  # only what differs from the layer before is set again
+                if entry.rope is not last[0]:
+                    if entry.rope not in angles:
+                        table = model._rotary_of(entry.rope)
+                        angles[entry.rope] = (table.cos[positions].contiguous(), table.sin[positions].contiguous())
+                    cos, sin = angles[entry.rope]
+                    step.cos, step.signed_sin = cos.data_ptr(), sin.data_ptr()
+                if entry.group != last[1] or entry.window != last[2]:
+                    view = groups[entry.group]
+                    step.slots, step.block_tables, step.table_stride = view.slots, view.tables_ptr, view.stride
+                    step.num_keys, step.first_key = view.num_keys_ptr, view.first_key(entry.window)
+                last = (entry.rope, entry.group, entry.window)
+                step.k, step.v = entry.k, entry.v
+            status = run_layer(entry.desc, step_ref, x_ptr, threads)
             if status == -1:
                 self._rank_failed(i)
             if status:
@@ -181,6 +188,21 @@ class CpuDecodeBackend:
             logits = torch.tanh(logits / model.logit_softcap) * model.logit_softcap
         return logits
 
+
+    def _plan(self, cache, k_fmt: int, v_fmt: int) -> list[_LayerEntry]:
+        """Per layer, what its step reads that lasts as long as the cache: its description, its rotary
+        table, KV group and window, its K and V storage (asked once per cache, not per step)."""
+        if self._plan_of is None or self._plan_of[0]() is not cache:
+            plan = []
+            for desc, layer in zip(self.layers, self.model.layers):
+                entry = _LayerEntry(ctypes.byref(desc), bool(desc.deltanet))
+                if not entry.deltanet:
+                    kv = layer.attn.layer_index  # its layer among those the cache holds
+                    entry.rope, entry.window, entry.group = layer.attn.rope, layer.attn.window, cache.placement[kv][0]
+                    entry.k, entry.v = _store(k_fmt, cache.k_parts[kv]), _store(v_fmt, cache.v_parts[kv])
+                plan.append(entry)
+            self._plan_of = (weakref.ref(cache), plan)  # the plan's pointers only, never the cache kept alive
+        return self._plan_of[1]
 
     def _mixer_floats(self, desc: LayerDesc) -> int:
         """Floats of Step.mixer_scratch a layer needs per row: its DeltaNet's working rows, or its attention's gate."""
@@ -201,6 +223,16 @@ class CpuDecodeBackend:
         group = self.layers[layer]._group
         raise RankFailed(f"rank {group.rank}: all-reduce failed (layer {layer} of the C decode step): another rank "
                          f"of the tensor-parallel job died or stopped answering within {group.timeout_s:g} s; the job ends")
+
+
+class _LayerEntry:
+    """One layer's share of the step that lasts as long as the cache (CpuDecodeBackend._plan)."""
+
+    __slots__ = ("desc", "deltanet", "rope", "window", "group", "k", "v")
+
+    def __init__(self, desc, deltanet: bool):
+        self.desc, self.deltanet = desc, deltanet
+        self.rope = self.window = self.group = self.k = self.v = None
 
 
 class _GroupView:
