@@ -1196,15 +1196,6 @@ static inline __attribute__((always_inline)) void factored_rows(int fmt, const i
         for (int r = 0; r < R; r++) out[i * ROWS + r] = acc[r][i];
 }
 
-static inline __attribute__((always_inline)) void factored_item(int fmt, const int M, const Product* p, int64_t o0, int rows) {
-    const uint8_t* row[ROWS];
-    item_rows(p, o0, rows, row);
-    __m256 acc[4 * ROWS];
-    const int R = M == 1 ? 8 : M == 2 ? 4 : 2;
-    for (int h = 0; h < ROWS; h += R) factored_rows(fmt, M, R, p, row + h, acc + h);
-    finish_block_item(p, o0, rows, M, acc);
-}
-
 // More rows: each chunk's codes stored as floats in L1 (row r at wb + r·CK, vector 8P + 2k + j), then
 // tiles of 2 weight rows by M ≤ 2 activation rows, both sub-blocks of a pair at once (8 chains of FMAs;
 // a weight vector loaded once for both activation rows)
@@ -1481,23 +1472,25 @@ static inline __attribute__((always_inline)) void q8_stored_item(const Product* 
     finish_block_item(p, o0, rows, p->m, acc);
 }
 
+// The factored formats' M ≤ 4 rows: 8, 4 or 2 weight rows at a time, by the format's own loop
+static inline __attribute__((always_inline)) void factored_item(int fmt, const int M, const Product* p, int64_t o0, int rows) {
+    const uint8_t* row[ROWS];
+    item_rows(p, o0, rows, row);
+    __m256 acc[4 * ROWS];
+    const int R = M == 1 ? 8 : M == 2 ? 4 : 2;
+    for (int h = 0; h < ROWS; h += R) {
+        if (fmt == Q6_K) q6k_rows(M, R, p, row + h, acc + h);
+        else if (fmt == Q8_0) q8_rows(M, R, p, row + h, acc + h);
+        else factored_rows(fmt, M, R, p, row + h, acc + h);
+    }
+    finish_block_item(p, o0, rows, M, acc);
+}
+
 static inline __attribute__((always_inline)) void fused_item(int fmt, const int M, const Product* p, int64_t o0, int rows) {
     if (fmt == Q4_K) {
         factored_item(fmt, M, p, o0, rows);
-    } else if (fmt == Q6_K) {
-        const uint8_t* row[ROWS];
-        item_rows(p, o0, rows, row);
-        __m256 acc[4 * ROWS];
-        const int R = M == 1 ? 8 : M == 2 ? 4 : 2;
-        for (int h = 0; h < ROWS; h += R) q6k_rows(M, R, p, row + h, acc + h);
-        finish_block_item(p, o0, rows, M, acc);
-    } else if (fmt == Q8_0) {
-        const uint8_t* row[ROWS];
-        item_rows(p, o0, rows, row);
-        __m256 acc[4 * ROWS];
-        const int R = M == 1 ? 8 : M == 2 ? 4 : 2;
-        for (int h = 0; h < ROWS; h += R) q8_rows(M, R, p, row + h, acc + h);
-        finish_block_item(p, o0, rows, M, acc);
+    } else if (fmt == Q6_K || fmt == Q8_0) {
+        factored_item(fmt, M, p, o0, rows);
     } else {
         direct_fused_item(fmt, M, p, o0, rows);
     }
