@@ -10,9 +10,10 @@
 //
 // A kv head's group of query heads share its keys and values: each cached row is decoded once and
 // used by the heads of the item (all of its group, or a part of it where a short context leaves too
-// few items for the threads: each head's numbers are its own, so any split gives the same bits). Per chunk: scores first (q · k / sqrt(D) for each key), then each head's
-// softmax over the chunk (relative to the chunk's largest score), then the weighted sum of the
-// values. `merge` then combines the chunks of each head, exactly as one softmax over all keys.
+// few items for the threads: each head's numbers are its own, so any split gives the same bits). Per
+// chunk: scores first (q · k / sqrt(D) for each key), then each head's softmax over the chunk (relative
+// to the chunk's largest score), then the weighted sum of the values. `merge` then combines the chunks
+// of each head, exactly as one softmax over all keys.
 
 typedef struct {
     const Layer* layer;
@@ -104,8 +105,8 @@ static void attend_items(void* ctx, uint32_t begin, uint32_t end) {
     for (uint32_t item = begin; item < end; item++) {
         const int64_t part = item % a->parts, seq_chunk = item / a->parts;
         const int64_t b = seq_chunk / a->chunks, c = seq_chunk % a->chunks, n = S->num_keys[b], first = S->first_key[b];
-        const int64_t g0 = part / split, h0 = g0 * group + part % split * a->per_part;  // kv head g0, heads h0 ..
-        const int64_t h1 = h0 + a->per_part < (g0 + 1) * group ? h0 + a->per_part : (g0 + 1) * group;
+        const int64_t g = part / split, h0 = g * group + part % split * a->per_part;  // kv head g, heads h0 ..
+        const int64_t h1 = h0 + a->per_part < (g + 1) * group ? h0 + a->per_part : (g + 1) * group;
         const int64_t start = c * CHUNK_KEYS, hi = start + CHUNK_KEYS < n ? start + CHUNK_KEYS : n;
         if (start >= n || hi <= first) continue;  // past this sequence's keys, or before its window (merge skips it)
         const int64_t lo = start > first ? start : first;  // a window may begin inside the chunk
@@ -122,27 +123,21 @@ static void attend_items(void* ctx, uint32_t begin, uint32_t end) {
                 int64_t slots[8];
                 for (int r = 0; r < 8; r++) slots[r] = slot_of(table, t + r, bs);
                 const int64_t ahead = t + 8 + PREFETCH_AHEAD < hi ? t + 8 + PREFETCH_AHEAD : -1;
-                {
-                    const int64_t g = g0;
-                    if (ahead >= 0)
-                        for (int r = 0; r < 8; r++)
-                            prefetch_vector(&S->k, slot_of(table, ahead + r, bs) * Hkv + g, D);
-                    const float* k[8];
-                    for (int r = 0; r < 8; r++) k[r] = decode_vector(&S->k, slots[r] * Hkv + g, D, kbuf8 + r * D);
-                    for (int64_t h = h0; h < h1; h++)
-                        store8(scores + h * stride + t, dot8(q + h * D, k, D) * scale);
-                }
+                if (ahead >= 0)
+                    for (int r = 0; r < 8; r++)
+                        prefetch_vector(&S->k, slot_of(table, ahead + r, bs) * Hkv + g, D);
+                const float* k[8];
+                for (int r = 0; r < 8; r++) k[r] = decode_vector(&S->k, slots[r] * Hkv + g, D, kbuf8 + r * D);
+                for (int64_t h = h0; h < h1; h++)
+                    store8(scores + h * stride + t, dot8(q + h * D, k, D) * scale);
             }
         for (; t < hi; t++) {
             const int64_t slot = slot_of(table, t, bs), ahead = t + PREFETCH_AHEAD;
             const int64_t slot_ahead = ahead < hi ? slot_of(table, ahead, bs) : -1;
-            {
-                const int64_t g = g0;
-                if (slot_ahead >= 0) prefetch_vector(&S->k, slot_ahead * Hkv + g, D);
-                const float* k = decode_vector(&S->k, slot * Hkv + g, D, kbuf);
-                for (int64_t h = h0; h < h1; h++)
-                    scores[h * stride + t] = dot(q + h * D, k, D) * scale;
-            }
+            if (slot_ahead >= 0) prefetch_vector(&S->k, slot_ahead * Hkv + g, D);
+            const float* k = decode_vector(&S->k, slot * Hkv + g, D, kbuf);
+            for (int64_t h = h0; h < h1; h++)
+                scores[h * stride + t] = dot(q + h * D, k, D) * scale;
         }
         // each head's weights over the chunk, relative to the chunk's largest score
         for (int64_t h = h0; h < h1; h++) {
@@ -174,34 +169,28 @@ static void attend_items(void* ctx, uint32_t begin, uint32_t end) {
                 int64_t slots[8];
                 for (int r = 0; r < 8; r++) slots[r] = slot_of(table, t + r, bs);
                 const int64_t ahead = t + 8 + PREFETCH_AHEAD < hi ? t + 8 + PREFETCH_AHEAD : -1;
-                {
-                    const int64_t g = g0;
-                    if (ahead >= 0)
-                        for (int r = 0; r < 8; r++)
-                            prefetch_vector(&S->v, slot_of(table, ahead + r, bs) * Hkv + g, D);
-                    const float* v[8];
-                    for (int r = 0; r < 8; r++) v[r] = decode_vector(&S->v, slots[r] * Hkv + g, D, kbuf8 + r * D);
-                    for (int64_t h = h0; h < h1; h++) {
-                        const float* p = scores + h * stride + t;
-                        float* o = partial + h * (D + 2) + 2;
-                        for (int64_t i = 0; i + 8 <= D; i += 8) {
-                            v8f acc = load8(o + i);
-                            for (int r = 0; r < 8; r++) acc += p[r] * load8(v[r] + i);
-                            store8(o + i, acc);
-                        }
+                if (ahead >= 0)
+                    for (int r = 0; r < 8; r++)
+                        prefetch_vector(&S->v, slot_of(table, ahead + r, bs) * Hkv + g, D);
+                const float* v[8];
+                for (int r = 0; r < 8; r++) v[r] = decode_vector(&S->v, slots[r] * Hkv + g, D, kbuf8 + r * D);
+                for (int64_t h = h0; h < h1; h++) {
+                    const float* p = scores + h * stride + t;
+                    float* o = partial + h * (D + 2) + 2;
+                    for (int64_t i = 0; i + 8 <= D; i += 8) {
+                        v8f acc = load8(o + i);
+                        for (int r = 0; r < 8; r++) acc += p[r] * load8(v[r] + i);
+                        store8(o + i, acc);
                     }
                 }
             }
         for (; t < hi; t++) {
             const int64_t slot = slot_of(table, t, bs), ahead = t + PREFETCH_AHEAD;
             const int64_t slot_ahead = ahead < hi ? slot_of(table, ahead, bs) : -1;
-            {
-                const int64_t g = g0;
-                if (slot_ahead >= 0) prefetch_vector(&S->v, slot_ahead * Hkv + g, D);
-                const float* v = decode_vector(&S->v, slot * Hkv + g, D, vbuf);
-                for (int64_t h = h0; h < h1; h++)
-                    axpy(partial + h * (D + 2) + 2, scores[h * stride + t], v, D);
-            }
+            if (slot_ahead >= 0) prefetch_vector(&S->v, slot_ahead * Hkv + g, D);
+            const float* v = decode_vector(&S->v, slot * Hkv + g, D, vbuf);
+            for (int64_t h = h0; h < h1; h++)
+                axpy(partial + h * (D + 2) + 2, scores[h * stride + t], v, D);
         }
     }
 }
