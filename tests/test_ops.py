@@ -110,3 +110,33 @@ def test_pytorchs_ops_never_call_a_kernel(monkeypatch):
 
     part = PackedTensor("F32", (8, 16), w.contiguous().view(torch.uint8).view(8, 64))
     assert torch.equal(ops.packed_linear(x, [part, part], 16), torch.cat([x @ w.T] * 2, dim=-1))
+
+
+@needs_kernels
+def test_a_pass_the_kernels_pool_takes_runs_pytorchs_ops_on_one_thread(tmp_path):
+    """PyTorch's OpenMP workers, woken by an op on two threads, spin on the cores the kernels' pool needs:
+    a pass whose products the pool takes (decode-sized, or a short prompt over GGUF blocks on the block
+    tiles) runs PyTorch's small ops on one thread; a prompt that goes to BLAS keeps the policy's threads."""
+    from kvlab.kernels import quant
+
+    ops, policy = OPS["cpu"], ThreadPolicy(threads=2)
+    assert ops.torch_threads(policy, 1) == 1  # a decode step: the pool's, packed or not
+    assert ops.torch_threads(policy, 64) == 2  # a float model's prompt: BLAS on both threads
+    assert ops.torch_threads(policy, 64, packed=True) == 1  # the block tiles take a short prompt
+    limit = quant.PROMPT_TILE_ROWS.get(quant.isa())
+    if limit is not None:  # past it, the matrix is dequantized for BLAS
+        assert ops.torch_threads(policy, limit + 1, packed=True) == 2
+    assert ops.torch_threads(ThreadPolicy(threads=2, packed_prompts=False), 64, packed=True) == 2
+    assert TORCH.torch_threads(policy, 64, packed=True) == 2  # PyTorch's ops: no pool to share with
+
+    seen = []
+    directory = build_tiny("llama", tmp_path, head_dim=32)
+    add_tiny_tokenizer(directory)
+    gguf = build_tiny_gguf(directory, tmp_path / "m.gguf", "Q8_0")
+    for loaded, threads in ((load_model(directory), 2), (load_model(gguf), 1)):  # a 40-token prompt
+        hook = loaded.model.layers[0].register_forward_hook(lambda *args: seen.append(torch.get_num_threads()))
+        driver = ModelDriver(loaded.model, policy)
+        assert driver.packed == (threads == 1)
+        driver.run(torch.tensor([list(range(5, 45))]), ContiguousKVCache.for_model(loaded.config, 48))
+        assert seen[-1] == threads
+        hook.remove()

@@ -69,7 +69,8 @@ class ThreadPolicy:
     def applied(self, torch_threads: int | None = None) -> Iterator[ThreadPolicy]:
         """Around a forward: this policy active, and PyTorch's thread count set to `torch_threads`
         (None: `threads`). Which count a pass wants is its device's ops' say
-        (kvlab/backends/ops.py: one on a CPU whose kernels' pool takes a decode-sized pass's products)."""
+        (kvlab/backends/ops.py: one on a CPU whose kernels' pool takes the pass's products: a decode step,
+        or a short prompt over GGUF blocks)."""
         torch_threads = torch_threads or self.threads
         before = torch.get_num_threads()
         if before != torch_threads:

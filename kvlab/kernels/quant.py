@@ -23,7 +23,7 @@ import functools
 import torch
 
 from kvlab.kernels import gemv
-from kvlab.kernels.policy import current
+from kvlab.kernels.policy import ThreadPolicy, current
 from kvlab.quant.formats import FORMATS
 
 
@@ -88,9 +88,14 @@ def applies(x: torch.Tensor, formats: list[str], whole: bool = True) -> bool:
     ids = _format_ids()
     if any(is_interleaved(f) for f in formats):  # no float copy to fall back on: every pass, any size
         return all(f in ids for f in formats)
-    if whole and x.shape[0] > PROMPT_TILE_ROWS.get(isa(), x.shape[0]):
-        return False
-    return current().packed_sized(x.shape[0]) and bool(ids) and all(f in ids for f in formats)
+    return tiles_take(x.shape[0], whole=whole) and bool(ids) and all(f in ids for f in formats)
+
+
+def tiles_take(num_rows: int, policy: ThreadPolicy | None = None, whole: bool = True) -> bool:
+    """Whether a pass of `num_rows` rows over GGUF blocks runs its products on the block kernels (their
+    pool's threads) under `policy` (by default the one in force), rather than dequantizing for BLAS."""
+    fits = not whole or num_rows <= PROMPT_TILE_ROWS.get(isa(), num_rows)
+    return fits and (policy or current()).packed_sized(num_rows)
 
 
 def packed_linear(x: torch.Tensor, parts, out_features: int, threads: int | None = None) -> torch.Tensor:

@@ -17,6 +17,7 @@ import torch
 from kvlab.backends.ops import ops_for
 from kvlab.kernels import ThreadPolicy
 from kvlab.kv.cache import KVCache, SingleBatchKVCache
+from kvlab.quant.linear import PackedLinear
 
 
 class ModelDriver:
@@ -28,6 +29,8 @@ class ModelDriver:
         self.policy = policy or ThreadPolicy()
         self.ops = ops or ops_for(model.device)  # chosen once, in force around every pass
         self._decode_path = None  # the decode backend (kvlab/backends), chosen at the first decode pass
+        # GGUF blocks kept packed: a short prompt's products run on the kernels' pool too (ops.torch_threads)
+        self.packed = any(isinstance(m, PackedLinear) for m in model.modules())
 
     @property
     def device(self) -> torch.device:
@@ -52,7 +55,7 @@ class ModelDriver:
             if not isinstance(cache, SingleBatchKVCache):
                 raise TypeError(f"{type(cache).__name__} needs the pass's metadata from its caller")
             meta = cache.plan(input_ids.shape[1])
-        with self.ops.applied(self.policy, input_ids.numel()):
+        with self.ops.applied(self.policy, input_ids.numel(), self.packed):
             fused = self._fused_step(input_ids, cache, meta, logits_index)
             if fused is not None:
                 logits = fused.run(input_ids, cache, meta, logits_index, self.policy)
