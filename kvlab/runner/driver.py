@@ -30,7 +30,7 @@ class ModelDriver:
         self.ops = ops or ops_for(model.device)  # chosen once, in force around every pass
         self._decode_path = None  # the decode backend (kvlab/backends), chosen at the first decode pass
         # GGUF blocks kept packed: a short prompt's products run on the kernels' pool too (ops.torch_threads)
-        self.packed = any(isinstance(m, PackedLinear) for m in model.modules())
+        self.packed = model is not None and any(isinstance(m, PackedLinear) for m in model.modules())
 
     @property
     def device(self) -> torch.device:
