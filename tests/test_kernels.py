@@ -182,3 +182,24 @@ def test_two_models_generating_in_two_threads_get_their_tokens_alone(tiny_chat_m
     for t in threads:
         t.join(timeout=120)
     assert together == [[alone[0]] * 6, [alone[1]] * 6]
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows, intermediate", [(1, 64), (5, 1541), (16, 1536)])
+@pytest.mark.parametrize("activation", ["silu", "gelu_pytorch_tanh"])
+def test_c_gated_activation_matches_pytorch(rows, intermediate, activation):
+    """act(gate) · up, 8 values at a time with a polynomial e^x (and the tail one by one with libm's):
+    within a few float32 roundings of the exact function, finite at both ends of e^x's range."""
+    from kvlab.kernels.decode import activation_ids
+    from kvlab.kernels.gemv import gated_act
+
+    g = torch.Generator().manual_seed(intermediate)
+    gate_up = torch.randn(rows, 2 * intermediate, generator=g) * 6
+    gate_up[0, :8] = torch.tensor([-200.0, 200.0, 0.0, -90.0, 89.0, 1e-30, -1e-30, -4.73])  # exp's range, 0, tanh's 0
+    gate_up[-1, intermediate - 3 : intermediate] = torch.tensor([-120.0, 95.0, 2.5])  # the tail's elements
+    gate, up = gate_up.double().chunk(2, dim=-1)
+    act = F.silu(gate) if activation == "silu" else F.gelu(gate, approximate="tanh")
+    got = gated_act(gate_up, intermediate, activation_ids()[activation])
+    assert got.shape == (rows, intermediate) and torch.isfinite(got).all()
+    # act(g) / g lies in [0, 1]: |g · up| is the scale of each value's rounding
+    assert ((got.double() - act * up).abs() <= 1e-6 * (gate * up).abs() + 1e-37).all()
