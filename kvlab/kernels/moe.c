@@ -73,20 +73,20 @@ static Linear expert_linear(const Linear* first, const int64_t* stride, const fl
     return l;
 }
 
-// act [n, I] from gate/up [n, 2I] (gate first): SiLU(gate)·up, or gpt-oss's clamped SwiGLU
+// act [n, I] from gate/up [n, 2I] (gate first): SiLU(gate)·up, or gpt-oss's clamped SwiGLU (one value at a time)
 static void activate(const Moe* m, const float* gate_up, float* act, int64_t n, int64_t I, int32_t kind) {
+    if (kind != EXPERT_CLAMPED_SWIGLU) {  // the dense MLP's own (gemv.c: 8 values at a time)
+        kvlab_gated_act_f32(gate_up, act, n, I, ACT_SILU);
+        return;
+    }
     for (int64_t r = 0; r < n; r++) {
         const float *g = gate_up + r * 2 * I, *u = g + I;
         float* a = act + r * I;
-        if (kind == EXPERT_CLAMPED_SWIGLU) {
-            const float limit = m->swiglu_limit, alpha = m->swiglu_alpha;
-            for (int64_t i = 0; i < I; i++) {
-                const float gi = g[i] > limit ? limit : g[i];
-                const float ui = u[i] > limit ? limit : (u[i] < -limit ? -limit : u[i]);
-                a[i] = (ui + 1.0f) * (gi / (1.0f + expf(-gi * alpha)));
-            }
-        } else {
-            for (int64_t i = 0; i < I; i++) a[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+        const float limit = m->swiglu_limit, alpha = m->swiglu_alpha;
+        for (int64_t i = 0; i < I; i++) {
+            const float gi = g[i] > limit ? limit : g[i];
+            const float ui = u[i] > limit ? limit : (u[i] < -limit ? -limit : u[i]);
+            a[i] = (ui + 1.0f) * (gi / (1.0f + expf(-gi * alpha)));
         }
     }
 }
