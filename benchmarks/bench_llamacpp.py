@@ -257,20 +257,24 @@ def main() -> int:
         entry["kvlab_weights"] = {"format": runs["kvlab"][0]["weight_format"], "bytes": runs["kvlab"][0]["weight_bytes"]}
         entry["kvlab_step"] = {k: summary([run[k] for run in runs["kvlab"]])
                                for k in ("step_ms", "products_ms", "rest_ms", "unfused_step_ms")}  # fmt: skip
-        # the share of the measured read bandwidth a decode step after 64 tokens reaches: the weight bytes it
-        # reads (the same GGUF blocks for both) × tokens/s ÷ GB/s (measured in kvlab's process of the round)
-        step_bytes = runs["kvlab"][0]["step_bytes"]
-        entry["roofline"] = {"step_bytes": step_bytes,
-                             "bandwidth_GB_s": summary([run["bandwidth_GB_s"] for run in runs["kvlab"]])}
-        for engine in runs:
-            entry["roofline"][f"{engine}_share"] = summary([
-                step_bytes * run["decode_64_tok_s"] / 1e9 / k["bandwidth_GB_s"]
-                for run, k in zip(runs[engine], runs["kvlab"])])  # fmt: skip
+        entry["roofline"] = roofline(runs)
         results["models"][model] = entry
     print_table(results)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
     return 0
+
+
+def roofline(runs: dict) -> dict:
+    """The share of the measured read bandwidth a decode step after 64 tokens reaches, for each engine's
+    runs: the weight bytes it reads (kvlab's count: the same GGUF blocks for both, a mixture's chosen
+    experts only) × tokens/s ÷ GB/s (measured in kvlab's process of the round)."""
+    step_bytes = runs["kvlab"][0]["step_bytes"]
+    out = {"step_bytes": step_bytes, "bandwidth_GB_s": summary([run["bandwidth_GB_s"] for run in runs["kvlab"]])}
+    for engine in ("kvlab", "llamacpp"):
+        out[f"{engine}_share"] = summary([step_bytes * run["decode_64_tok_s"] / 1e9 / k["bandwidth_GB_s"]
+                                          for run, k in zip(runs[engine], runs["kvlab"])])  # fmt: skip
+    return out
 
 
 def print_table(results: dict) -> None:

@@ -152,6 +152,7 @@ def main() -> int:
         entry["kvlab_weights"] = {"format": runs["kvlab"][0]["weight_format"], "bytes": runs["kvlab"][0]["weight_bytes"]}
         entry["kvlab_step"] = {k: summary([run[k] for run in runs["kvlab"]])
                                for k in ("step_ms", "products_ms", "rest_ms", "unfused_step_ms")}  # fmt: skip
+        entry["roofline"] = peer.roofline(runs)
         results["files"][label] = entry
     os.unlink(f.name)
     print_table(results)
