@@ -73,24 +73,11 @@ static inline void axpy(float* o, float p, const float* v, int64_t D) {
 #define NEGLIGIBLE (-64.0f)
 
 // e^x for 8 values x ≤ 0 at once (a softmax's weights), within about 1 ulp (measured over [-64, 0]);
-// below NEGLIGIBLE (and -inf, NaN), 0.
-// x = n ln2 + r, |r| ≤ ln2 / 2: e^r by Cephes' polynomial, 2^n put in the exponent bits.
-typedef int32_t v8i __attribute__((vector_size(32)));
-
+// below NEGLIGIBLE (and -inf, NaN), 0
 static inline v8f exp8(v8f x) {
-    const v8i keep = x >= NEGLIGIBLE;      // lanes of -1 (kept) or 0
-    x = (v8f)((v8i)x & keep);              // e^0 computed where the weight is 0 anyway: no overflow
-    const float magic = 12582912.0f;       // 1.5 · 2^23: adding it rounds to an integer
-    const v8f n = (x * 1.44269504f + magic) - magic;
-    const v8f r = (x - n * 0.693359375f) + n * 2.12194440e-4f;  // ln 2 in two parts: r exact enough
-    v8f p = r * 1.9875691500e-4f + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    const v8f y = p * r * r + r + 1.0f;
-    const v8i exponent = (__builtin_convertvector(n, v8i) + 127) << 23;  // 2^n, n ≥ -93 here: a normal float
-    return (v8f)((v8i)(y * (v8f)exponent) & keep);
+    const v8i keep = x >= NEGLIGIBLE;                 // lanes of -1 (kept) or 0
+    x = (v8f)((v8i)x & keep);                         // e^0 computed where the weight is 0 anyway: no overflow
+    return (v8f)((v8i)exp_normal8(x) & keep);  // n ≥ -93 here
 }
 
 static void attend_items(void* ctx, uint32_t begin, uint32_t end) {

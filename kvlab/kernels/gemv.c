@@ -211,33 +211,19 @@ void kvlab_rms_norm_f32(const float* x, const float* w, float* y, int64_t rows, 
     }
 }
 
-// y[r, i] = act(gate) · up over `rows` rows of gate_up [rows, 2I] (gate in the first I columns): act
-// SiLU (0) or GELU with tanh's approximation (1; PyTorch's approximate="tanh"), step.h's ACT_* ids. The
-// decode step's MLP and the modules' decode-sized passes both call this, so a gated MLP gives the same
-// bits on both paths (PyTorch's vectorised tanh and exp differ from libm's by an ulp here and there).
-// e^x for 8 values at once, within about 1 ulp (x clamped to [-87.3, 88.3], where e^x and the 2^n it is
-// built from are normal floats): x = n ln2 + r, |r| ≤ ln2 / 2, e^r by Cephes' polynomial, 2^n put in the
-// exponent bits (attention.c's exp8, over the whole range)
-typedef int32_t v8i __attribute__((vector_size(32)));
-
+// e^x for 8 values, x clamped to [-87.3, 88.3] (e^x and the 2^n it is built from normal floats)
 static inline v8f exp_v8(v8f x) {
     const v8f lo = {-87.3f, -87.3f, -87.3f, -87.3f, -87.3f, -87.3f, -87.3f, -87.3f}, hi = lo * -1.0f + 1.0f;
     const v8i below = x < lo, above = x > hi;  // lanes of -1 where true
-    x = (v8f)(((v8i)x & ~(below | above)) | ((v8i)lo & below) | ((v8i)hi & above));
-    const float magic = 12582912.0f;  // 1.5 · 2^23: adding it rounds to an integer
-    const v8f n = (x * 1.44269504f + magic) - magic;
-    const v8f r = (x - n * 0.693359375f) + n * 2.12194440e-4f;  // ln 2 in two parts
-    v8f p = r * 1.9875691500e-4f + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    const v8f y = p * r * r + r + 1.0f;
-    return y * (v8f)((__builtin_convertvector(n, v8i) + 127) << 23);
+    return exp_normal8((v8f)(((v8i)x & ~(below | above)) | ((v8i)lo & below) | ((v8i)hi & above)));
 }
 
-// act(g)·u for each row's I gate and I up values: SiLU g·σ(g), or GELU's tanh form, which is g·σ(2z),
-// z = √(2/π)(g + 0.044715 g³) (0.5·(1 + tanh z) = σ(2z)); σ(t) = 1 / (1 + e^−t), 8 values at a time
+// y[r, i] = act(gate) · up over `rows` rows of gate_up [rows, 2I] (gate in the first I columns): act
+// SiLU (0) or GELU with tanh's approximation (1; PyTorch's approximate="tanh"), step.h's ACT_* ids. The
+// decode step's MLP and the modules' decode-sized passes both call this, so a gated MLP gives the same
+// bits on both paths (PyTorch's vectorised tanh and exp differ from these by an ulp here and there).
+// Both are g·σ(t): SiLU t = g; GELU's 0.5·(1 + tanh z) is σ(2z), t = 2z, z = √(2/π)(g + 0.044715 g³);
+// σ(t) = 1 / (1 + e^−t), 8 values at a time (exp_normal8), the row's last I mod 8 with libm's expf.
 void kvlab_gated_act_f32(const float* gate_up, float* y, int64_t rows, int64_t I, int act) {
     const float k2 = 2.0f * 0.7978845608028654f;  // 2·sqrt(2 / pi)
     for (int64_t r = 0; r < rows; r++) {
