@@ -188,7 +188,6 @@ class CpuDecodeBackend:
             logits = torch.tanh(logits / model.logit_softcap) * model.logit_softcap
         return logits
 
-
     def _plan(self, cache, k_fmt: int, v_fmt: int) -> list[_LayerEntry]:
         """Per layer, what its step reads that lasts as long as the cache: its description, its rotary
         table, KV group and window, its K and V storage (asked once per cache, not per step)."""

@@ -75,9 +75,9 @@ static inline void axpy(float* o, float p, const float* v, int64_t D) {
 // e^x for 8 values x ≤ 0 at once (a softmax's weights), within about 1 ulp (measured over [-64, 0]);
 // below NEGLIGIBLE (and -inf, NaN), 0
 static inline v8f exp8(v8f x) {
-    const v8i keep = x >= NEGLIGIBLE;                 // lanes of -1 (kept) or 0
-    x = (v8f)((v8i)x & keep);                         // e^0 computed where the weight is 0 anyway: no overflow
-    return (v8f)((v8i)exp_normal8(x) & keep);  // n ≥ -93 here
+    const v8i keep = x >= NEGLIGIBLE;          // lanes of -1 (kept) or 0
+    x = (v8f)((v8i)x & keep);                  // e^0 computed where the weight is 0 anyway: no overflow
+    return (v8f)((v8i)exp_normal8(x) & keep);  // x ≥ -64 here: 2^n a normal float
 }
 
 static void attend_items(void* ctx, uint32_t begin, uint32_t end) {

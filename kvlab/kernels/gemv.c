@@ -213,7 +213,8 @@ void kvlab_rms_norm_f32(const float* x, const float* w, float* y, int64_t rows, 
 
 // e^x for 8 values, x clamped to [-87.3, 88.3] (e^x and the 2^n it is built from normal floats)
 static inline v8f exp_v8(v8f x) {
-    const v8f lo = {-87.3f, -87.3f, -87.3f, -87.3f, -87.3f, -87.3f, -87.3f, -87.3f}, hi = lo * -1.0f + 1.0f;
+    const v8f lo = {-87.3f, -87.3f, -87.3f, -87.3f, -87.3f, -87.3f, -87.3f, -87.3f};
+    const v8f hi = {88.3f, 88.3f, 88.3f, 88.3f, 88.3f, 88.3f, 88.3f, 88.3f};
     const v8i below = x < lo, above = x > hi;  // lanes of -1 where true
     return exp_normal8((v8f)(((v8i)x & ~(below | above)) | ((v8i)lo & below) | ((v8i)hi & above)));
 }
