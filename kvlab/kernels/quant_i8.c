@@ -218,6 +218,42 @@ static void quantize_rows(const float* x, int64_t m, int64_t n, const Layout* l,
             o->neg_off = -l->off * total;
         }
     return;
+#elif defined(DOT2)
+    // the loop's numbers, 8 values at a time (as the VNNI build's: max exact in any order, one rounding
+    // per product, vcvtps2dq rounding to nearest even)
+    const int parts = l->S / 8;
+    const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    const __m256i lo = _mm256_set1_epi32(-127), hi = _mm256_set1_epi32(127);
+    for (int64_t i = 0; i < m; i++)
+        for (int64_t b = 0; b < groups; b++) {
+            const float* v = x + i * n + b * l->S;
+            XBlock* o = out + b * m + i;
+            __m256 a[4], amax = _mm256_setzero_ps();
+            for (int h = 0; h < parts; h++)  // (|v|, amax): a NaN leaves amax as it was, as the loop's test
+                a[h] = _mm256_loadu_ps(v + 8 * h), amax = _mm256_max_ps(_mm256_and_ps(a[h], magnitude), amax);
+            __m128 top4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+            top4 = _mm_max_ps(top4, _mm_movehl_ps(top4, top4));
+            const float top = _mm_cvtss_f32(_mm_max_ss(top4, _mm_movehdup_ps(top4)));
+            const __m256 id = _mm256_set1_ps(top > 0 ? 127.0f / top : 0.0f);
+            __m256i sum = _mm256_setzero_si256(), q[4] = {sum, sum, sum, sum};
+            memset(o, 0, sizeof *o);
+            for (int h = 0; h < parts; h++) {
+                q[h] = _mm256_max_epi32(_mm256_min_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(a[h], id)), hi), lo);
+                sum = _mm256_add_epi32(sum, q[h]);
+            }
+            for (int h = 0; h < parts; h += 2) {  // 16 codes in order: int32 → int16 → int8
+                const __m256i q16 = _mm256_permute4x64_epi64(_mm256_packs_epi32(q[h], q[h + 1]), 0xD8);
+                _mm_storeu_si128((__m128i*)(o->q + 2 * h),
+                                 _mm_packs_epi16(_mm256_castsi256_si128(q16), _mm256_extracti128_si256(q16, 1)));
+            }
+            __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+            s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+            const int32_t total = _mm_cvtsi128_si32(_mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1)));
+            o->dx = top / 127.0f;
+            o->dx_sum = o->dx * (float)total;
+            o->neg_off = -l->off * total;
+        }
+    return;
 #endif
     for (int64_t i = 0; i < m; i++)
         for (int64_t b = 0; b < groups; b++) {
@@ -336,7 +372,7 @@ static void items(void* ctx, uint32_t begin, uint32_t end) {
 // same integer sum without the −128·sum(x) it starts from. An item's 16 rows are two halves of 8 lanes;
 // the integers are exact and the float operations per lane are the fallback's below, in its order: the
 // same bits.
-#define MT2 4  // activation rows per pass over a half item: accumulators, 8 code registers and constants
+#define MT2 4  // activation rows per pass over a half item: 4 of int16 sums, int32 sums and accumulators
 
 static inline __attribute__((always_inline)) void half_rows(const Product* p, const uint8_t* item, int64_t i0,
                                                             const int M, int h, const int NIB, const int NW,
@@ -344,40 +380,49 @@ static inline __attribute__((always_inline)) void half_rows(const Product* p, co
                                                             __m256* acc) {
     const int gb = (int)group_bytes(&p->l), words = NIB ? NW / 2 : NW;
     const __m256i low4 = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8((char)0x80);
-    for (int i = 0; i < M; i++) acc[i] = _mm256_setzero_ps();
+    __m256 a[MT2];  // in registers: acc is memory the code loads could alias
+    for (int i = 0; i < M; i++) a[i] = _mm256_setzero_ps();
     for (int64_t b = 0; b < p->groups; b++) {
         const uint8_t* g = item + b * gb;
         const XBlock* xs = p->xq + b * p->m + i0;
-        __m256i w[8];
-        if (NIB) {
-            for (int k = 0; k < 4; k++) {
-                const __m256i v = _mm256_loadu_si256((const __m256i*)(g + 64 * k + 32 * h));
-                w[k] = _mm256_and_si256(v, low4), w[k + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+        __m256i s[MT2], s16[MT2];
+        // one code register at a time against the M rows: the M sums, not 8 code registers, stay live
+#pragma GCC unroll 8
+        for (int k = 0; k < NW; k++) {
+            __m256i w;
+            if (NIB) {
+                const __m256i v = _mm256_loadu_si256((const __m256i*)(g + 64 * (k % 4) + 32 * h));
+                w = _mm256_and_si256(k < 4 ? v : _mm256_srli_epi16(v, 4), low4);
+            } else {
+                w = _mm256_loadu_si256((const __m256i*)(g + 64 * k + 32 * h));
+                if (SIGNED) w = _mm256_xor_si256(w, flip);  // the code − 128: Q8_0's own q
             }
-        } else {
-            for (int k = 0; k < NW; k++) {
-                w[k] = _mm256_loadu_si256((const __m256i*)(g + 64 * k + 32 * h));
-                if (SIGNED) w[k] = _mm256_xor_si256(w[k], flip);  // the code − 128: Q8_0's own q
+            const __m256i wabs = SIGNED ? _mm256_abs_epi8(w) : w;
+#pragma GCC unroll 4
+            for (int i = 0; i < M; i++) {
+                const __m256i xv = _mm256_set1_epi32(xs[i].q[k]);
+                const __m256i prod = SIGNED ? _mm256_maddubs_epi16(wabs, _mm256_sign_epi8(xv, w))
+                                            : _mm256_maddubs_epi16(w, xv);
+                s16[i] = k % K16 ? _mm256_add_epi16(s16[i], prod) : prod;
+                if (k % K16 == K16 - 1 || k == NW - 1) {  // the 16-bit sums into 32 bits, from −off·sum(q)
+                    const __m256i part = _mm256_madd_epi16(s16[i], ones);
+                    s[i] = k >= K16 ? _mm256_add_epi32(s[i], part)
+                           : SIGNED ? part : _mm256_add_epi32(_mm256_set1_epi32(xs[i].neg_off), part);
+                }
             }
+            // in this order: GCC would otherwise hoist every load and product above the sums and spill them
+            for (int i = 0; i < M; i++) __asm__ volatile("" : "+x"(s16[i]));
+            __asm__ volatile("" ::: "memory");
         }
         const float* sc = (const float*)(g + 64 * words);
         const __m256 scale = _mm256_loadu_ps(sc + 8 * h);
 #pragma GCC unroll 4
         for (int i = 0; i < M; i++) {
-            const XBlock* x = xs + i;
-            __m256i s = SIGNED ? _mm256_setzero_si256() : _mm256_set1_epi32(x->neg_off), s16 = _mm256_setzero_si256();
-#pragma GCC unroll 8
-            for (int k = 0; k < NW; k++) {
-                const __m256i xv = _mm256_set1_epi32(x->q[k]);
-                const __m256i prod = SIGNED ? _mm256_maddubs_epi16(_mm256_abs_epi8(w[k]), _mm256_sign_epi8(xv, w[k]))
-                                            : _mm256_maddubs_epi16(w[k], xv);
-                s16 = k % K16 ? _mm256_add_epi16(s16, prod) : prod;
-                if (k % K16 == K16 - 1 || k == NW - 1) s = _mm256_add_epi32(s, _mm256_madd_epi16(s16, ones));
-            }
-            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(scale, _mm256_set1_ps(x->dx)), acc[i]);
-            if (MIN) acc[i] = _mm256_fmadd_ps(_mm256_loadu_ps(sc + LANES + 8 * h), _mm256_set1_ps(x->dx_sum), acc[i]);
+            a[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[i]), _mm256_mul_ps(scale, _mm256_set1_ps(xs[i].dx)), a[i]);
+            if (MIN) a[i] = _mm256_fmadd_ps(_mm256_loadu_ps(sc + LANES + 8 * h), _mm256_set1_ps(xs[i].dx_sum), a[i]);
         }
     }
+    for (int i = 0; i < M; i++) acc[i] = a[i];
 }
 
 // h: the half (rows 8h .. 8h + 7); the layout's constants as literals, so that everything stays in registers
@@ -410,9 +455,14 @@ static void items(void* ctx, uint32_t begin, uint32_t end) {
                 __m256 acc[MT2];
                 HALF_ROWS_OF[M - 1](p, p->w + it * item_bytes, i, h, acc);
                 for (int k = 0; k < M; k++) {
-                    float lanes[8];
+                    float* y = p->y + (i + k) * p->ldy + o0 + 8 * h;
+                    if (rows >= 8 * h + 8) {
+                        _mm256_storeu_ps(y, acc[k]);
+                        continue;
+                    }
+                    float lanes[8];  // the matrix's last item: only its rows
                     _mm256_storeu_ps(lanes, acc[k]);
-                    for (int r = 8 * h; r < rows && r < 8 * h + 8; r++) p->y[(i + k) * p->ldy + o0 + r] = lanes[r - 8 * h];
+                    for (int r = 0; r < rows - 8 * h; r++) y[r] = lanes[r];
                 }
             }
         }
