@@ -35,6 +35,7 @@ from kvlab.config import EngineConfig  # noqa: E402
 from kvlab.engine import LLMEngine  # noqa: E402
 from kvlab.kernels import ThreadPolicy  # noqa: E402
 from kvlab.model.loader import load_model  # noqa: E402
+from kvlab.quant.activations import with_int8_activations  # noqa: E402
 from kvlab.sampling import SamplingParams  # noqa: E402
 
 
@@ -159,6 +160,8 @@ def main() -> int:
     ap.add_argument("--skip", action="append", default=[], choices=["batching", "prefix", "layout"])
     ap.add_argument("--gemv-max-rows", type=int,
                     help="try another crossover between the GEMV kernel and BLAS (max_kernel_rows) for this run")  # fmt: skip
+    ap.add_argument("--activation-quant", choices=["int8"],
+                    help="kvlab's 8-bit activations over the GGUF blocks (opt-in; `kvlab quality` measures them)")  # fmt: skip
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -166,12 +169,15 @@ def main() -> int:
     if args.gemv_max_rows is not None:
         POLICY.max_kernel_rows = args.gemv_max_rows
     loaded = load_model(args.model, dtype=args.dtype)
+    if args.activation_quant:
+        loaded = with_int8_activations(loaded)
     results = {
         "command": " ".join(sys.argv),
         "machine": {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
                     "torch": torch.__version__, "python": platform.python_version(), "commit": _commit()},  # fmt: skip
         "model": args.model,
         "dtype": args.dtype,
+        "activation_quant": args.activation_quant,
         "gemv_max_rows": POLICY.max_kernel_rows,
     }
     if "batching" not in args.skip:
@@ -194,7 +200,8 @@ def print_table(r: dict) -> None:
         return f"{s['median'] * scale:.1f}{unit} ({s['min'] * scale:.1f}–{s['max'] * scale:.1f})"
 
     m = r["machine"]
-    print(f"\n{r['model']} {r['dtype']}, {m['threads']} threads, torch {m['torch']}, commit {m['commit']}")
+    acts = f", {r['activation_quant']} activations" if r.get("activation_quant") else ""
+    print(f"\n{r['model']} {r['dtype']}{acts}, {m['threads']} threads, torch {m['torch']}, commit {m['commit']}")
     if "batching" in r:
         b = r["batching"]
         print(f"  concurrent output tok/s   {cell(b['concurrent_tok_s'])}")
