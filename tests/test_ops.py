@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvlab.backends.ops import OPS, TORCH, CpuOps, CudaOps, TorchOps, current_ops, ops_for
+from kvlab.backends.ops import ONE_THREAD_ROWS, OPS, TORCH, CpuOps, CudaOps, TorchOps, current_ops, ops_for
 from kvlab.kernels import ThreadPolicy
 from kvlab.kernels.decode import library
 from kvlab.kv.cache import ContiguousKVCache
@@ -120,14 +120,22 @@ def test_a_pass_the_kernels_pool_takes_runs_pytorchs_ops_on_one_thread(tmp_path)
     from kvlab.kernels import quant
 
     ops, policy = OPS["cpu"], ThreadPolicy(threads=2)
+    blocks, interleaved = frozenset({"Q8_0", "Q4_K"}), frozenset({"Q8_0x16", "Q4_Kx16"})
     assert ops.torch_threads(policy, 1) == 1  # a decode step: the pool's, packed or not
     assert ops.torch_threads(policy, 64) == 2  # a float model's prompt: BLAS on both threads
-    assert ops.torch_threads(policy, 64, packed=True) == 1  # the block tiles take a short prompt
+    assert ops.torch_threads(policy, 64, blocks) == 1  # the block tiles take a short prompt
     limit = quant.PROMPT_TILE_ROWS.get(quant.isa())
     if limit is not None:  # past it, the matrix is dequantized for BLAS
-        assert ops.torch_threads(policy, limit + 1, packed=True) == 2
-    assert ops.torch_threads(ThreadPolicy(threads=2, packed_prompts=False), 64, packed=True) == 2
-    assert TORCH.torch_threads(policy, 64, packed=True) == 2  # PyTorch's ops: no pool to share with
+        assert ops.torch_threads(policy, limit + 1, blocks) == 2
+    # 8-bit activations: the interleaved matrices have no float copy, the pool takes every pass; a
+    # matrix left exact among them goes to BLAS past the tiles' limit. PyTorch's ops of a big pass keep
+    # both threads
+    assert ops.torch_threads(policy, ONE_THREAD_ROWS, interleaved) == 1
+    assert ops.torch_threads(policy, ONE_THREAD_ROWS + 1, interleaved) == 2  # a big pass's elementwise ops
+    if limit is not None:
+        assert ops.torch_threads(policy, limit + 1, interleaved | {"Q4_K"}) == 2
+    assert ops.torch_threads(ThreadPolicy(threads=2, packed_prompts=False), 64, blocks) == 2
+    assert TORCH.torch_threads(policy, 64, blocks) == 2  # PyTorch's ops: no pool to share with
 
     seen = []
     directory = build_tiny("llama", tmp_path, head_dim=32)
@@ -136,7 +144,7 @@ def test_a_pass_the_kernels_pool_takes_runs_pytorchs_ops_on_one_thread(tmp_path)
     for loaded, threads in ((load_model(directory), 2), (load_model(gguf), 1)):  # a 40-token prompt
         hook = loaded.model.layers[0].register_forward_hook(lambda *args: seen.append(torch.get_num_threads()))
         driver = ModelDriver(loaded.model, policy)
-        assert driver.packed == (threads == 1)
+        assert driver.packed == ({"Q8_0"} if threads == 1 else set())
         driver.run(torch.tensor([list(range(5, 45))]), ContiguousKVCache.for_model(loaded.config, 48))
         assert seen[-1] == threads
         hook.remove()

@@ -41,9 +41,9 @@ class TorchOps:
     kernel_rows = False  # decode-sized passes have kernels here (speculative drafts are capped to their rows)
 
     @contextmanager
-    def applied(self, policy: ThreadPolicy, num_rows: int, packed: bool = False) -> Iterator[ThreadPolicy]:
-        """Around a forward of `num_rows` tokens (of a model holding GGUF blocks: `packed`): these ops and
-        `policy` in force (PyTorch's thread count set for the pass)."""
+    def applied(self, policy: ThreadPolicy, num_rows: int, packed: frozenset = frozenset()) -> Iterator[ThreadPolicy]:
+        """Around a forward of `num_rows` tokens (of a model holding GGUF blocks in the formats `packed`):
+        these ops and `policy` in force (PyTorch's thread count set for the pass)."""
         with self.active(), policy.applied(self.torch_threads(policy, num_rows, packed)):
             yield policy
 
@@ -56,7 +56,7 @@ class TorchOps:
         finally:
             _current.reset(token)
 
-    def torch_threads(self, policy: ThreadPolicy, num_rows: int, packed: bool = False) -> int:
+    def torch_threads(self, policy: ThreadPolicy, num_rows: int, packed: frozenset = frozenset()) -> int:
         return policy.threads
 
     # ---- the products ---------------------------------------------------------------------------------
@@ -126,15 +126,19 @@ class CpuOps(TorchOps):
 
         return quant.available()
 
-    def torch_threads(self, policy: ThreadPolicy, num_rows: int, packed: bool = False) -> int:
-        # a pass whose products the kernels' pool takes (decode-sized, or a short prompt over GGUF blocks on
-        # the block tiles): PyTorch's small ops on one thread. Woken by an op on two, its OpenMP workers
-        # spin for a while (libgomp's default) on the cores the pool needs: a 64-token prompt of SmolLM2
-        # took 1.6x as long (300 vs 185 ms, side by side)
+    def torch_threads(self, policy, num_rows, packed=frozenset()):
+        # a pass whose products the kernels' pool takes (decode-sized, or a prompt over GGUF blocks the
+        # kernels take: see quant.pool_takes): PyTorch's small ops on one thread. Woken by an op on two,
+        # its OpenMP workers spin for a while (libgomp's default) on the cores the pool needs: a 64-token
+        # prompt of SmolLM2 took 1.6x as long (300 vs 185 ms, side by side); 256 tokens with 8-bit
+        # activations 1.15-1.6x (SmolLM2, Qwen2.5-0.5B). Past ONE_THREAD_ROWS the elementwise ops over the
+        # pass gain more from two threads than the spinning costs: Qwen2.5-0.5B's 512-row passes ran 7-13%
+        # slower on one
         from kvlab.kernels import quant
         from kvlab.kernels.gemv import gemv_available
 
-        on_pool = policy.kernel_sized(num_rows) or (packed and quant.tiles_take(num_rows, policy))
+        prompt_on_pool = packed and num_rows <= ONE_THREAD_ROWS and quant.pool_takes(num_rows, packed, policy)
+        on_pool = policy.kernel_sized(num_rows) or prompt_on_pool
         return 1 if on_pool and gemv_available() else policy.threads
 
     def linear(self, x, weight, bias=None):
@@ -195,6 +199,7 @@ class CpuOps(TorchOps):
         return deltanet.applies(conv, ssm, rows)
 
 
+ONE_THREAD_ROWS = 256  # the largest prompt pass whose PyTorch ops take one thread (CpuOps.torch_threads)
 CHUNKED_ROWS = 4  # up to this many chunks of the kernels' rows, a packed expert's product stays on the kernels
 TORCH = TorchOps()
 OPS: dict[str, TorchOps] = {"cpu": CpuOps(), "cuda": CudaOps()}  # device type → its ops; any other: TORCH

@@ -98,6 +98,13 @@ def tiles_take(num_rows: int, policy: ThreadPolicy | None = None, whole: bool = 
     return fits and (policy or current()).packed_sized(num_rows)
 
 
+def pool_takes(num_rows: int, formats, policy: ThreadPolicy | None = None) -> bool:
+    """Whether every product of a pass of `num_rows` rows over matrices in `formats` runs on the block
+    kernels (their pool's threads): the interleaved forms take every pass (`applies`); the exact blocks
+    as `tiles_take` says."""
+    return all(is_interleaved(f) for f in formats) or tiles_take(num_rows, policy)
+
+
 def packed_linear(x: torch.Tensor, parts, out_features: int, threads: int | None = None) -> torch.Tensor:
     """y [rows, out_features] float32 = x [rows, in] · Wᵀ, W the parts (PackedTensor) stacked by rows.
 

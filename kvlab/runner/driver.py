@@ -29,8 +29,10 @@ class ModelDriver:
         self.policy = policy or ThreadPolicy()
         self.ops = ops or ops_for(model.device)  # chosen once, in force around every pass
         self._decode_path = None  # the decode backend (kvlab/backends), chosen at the first decode pass
-        # GGUF blocks kept packed: a short prompt's products run on the kernels' pool too (ops.torch_threads)
-        self.packed = model is not None and any(isinstance(m, PackedLinear) for m in model.modules())
+        # the formats of the GGUF blocks kept packed: a prompt's products may run on the kernels' pool too
+        # (ops.torch_threads)
+        self.packed = frozenset(f for m in (model.modules() if model is not None else ()) if isinstance(m, PackedLinear)
+                                for f in m.formats)  # fmt: skip
 
     @property
     def device(self) -> torch.device:
