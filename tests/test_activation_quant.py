@@ -129,3 +129,48 @@ def test_experts_are_interleaved_too_and_sixteen_together_give_each_ones_tokens(
     ids = prompts(1)[0]
     a, b = (ModelDriver(m.model).append(ids, ContiguousKVCache.for_model(m.config, 64)) for m in (exact, loaded))
     assert not torch.equal(a, b) and (a - b).abs().max() <= 0.05 * a.abs().max()
+
+
+def _resident_kb(path) -> int:
+    """This process's resident kB of its mappings of `path` (/proc/self/smaps)."""
+    total, inside = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()
+            if head and "-" in head[0] and len(head) >= 5:  # a mapping's first line
+                inside = len(head) >= 6 and head[5] == str(path)
+            elif inside and head[0] == "Rss:":
+                total += int(head[1])
+    return total
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/smaps")
+def test_the_repacked_blocks_pages_leave_memory_and_nothing_else_changes(tmp_path, monkeypatch):
+    """After repacking, the GGUF's pages that held the blocks are dropped from the process (madvise):
+    read again, they come back from the file with the same bytes; memory not mapped from a file is
+    never touched."""
+    import numpy as np
+
+    from kvlab.quant import activations
+
+    path = tmp_path / "blocks.bin"
+    values = np.arange(1 << 20, dtype=np.uint8) * 7
+    values.tofile(path)
+    mapped = torch.from_numpy(np.asarray(np.memmap(path, dtype=np.uint8, mode="r")))
+    assert int(mapped.sum()) == int(values.sum())  # every page read: resident
+    before = _resident_kb(path)
+    assert before >= 1000
+    assert activations.release_file_pages([mapped[100:]]) >= (1 << 20) - 8192  # whole pages only
+    assert _resident_kb(path) < before / 4
+    assert torch.equal(mapped, torch.from_numpy(values))  # read again: the file's bytes
+    anonymous = torch.from_numpy(values.copy())
+    assert activations.release_file_pages([anonymous]) == 0 and torch.equal(anonymous, torch.from_numpy(values))
+
+    released = []
+    monkeypatch.setattr(activations, "release_file_pages",
+                        lambda ts, real=activations.release_file_pages: released.append(real(ts)) or released[-1])  # fmt: skip
+    directory = build_tiny("llama", tmp_path / "m", head_dim=32)
+    add_tiny_tokenizer(directory)
+    gguf = build_tiny_gguf(directory, tmp_path / "m.gguf", "Q8_0")
+    with_int8_activations(load_model(gguf))
+    assert released and released[0] > 0
