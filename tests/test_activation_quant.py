@@ -168,9 +168,9 @@ def test_the_repacked_blocks_pages_leave_memory_and_nothing_else_changes(tmp_pat
 
     released = []
     monkeypatch.setattr(activations, "release_file_pages",
-                        lambda ts, real=activations.release_file_pages: released.append(real(ts)) or released[-1])  # fmt: skip
+                        lambda ts, files=None, real=activations.release_file_pages: released.append(real(ts, files)) or released[-1])  # fmt: skip
     directory = build_tiny("llama", tmp_path / "m", head_dim=32)
     add_tiny_tokenizer(directory)
     gguf = build_tiny_gguf(directory, tmp_path / "m.gguf", "Q8_0")
     with_int8_activations(load_model(gguf))
-    assert released and released[0] > 0
+    assert released and sum(released) > 0

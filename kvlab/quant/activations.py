@@ -48,13 +48,13 @@ def with_int8_activations(loaded):
     from kvlab.model.experts import Experts
 
     converted = kept = 0
-    replaced = []  # the blocks as loaded, which nothing reads once repacked
+    files = read_only_file_maps()  # the blocks as loaded leave memory as each module is repacked
     for module in loaded.model.modules():
         if isinstance(module, Experts):
             before = list(module.buffers(recurse=False))
             done, left = _interleave_experts(module)
             converted, kept = converted + done, kept + left
-            replaced += [b for b in before if not any(b is now for now in module.buffers(recurse=False))]
+            release_file_pages([b for b in before if not any(b is now for now in module.buffers(recurse=False))], files)
             continue
         if not isinstance(module, PackedLinear):
             continue
@@ -63,12 +63,12 @@ def with_int8_activations(loaded):
             kept += 1
             continue
         parts = [PackedTensor(fmt, p.shape, data) for (fmt, data), p in zip(repacked, module.packed())]
-        replaced += [p.data for p in module.packed()]
+        replaced = [p.data for p in module.packed()]
         for i, part in enumerate(parts):
             setattr(module, f"packed_{i}", part.data)  # a registered buffer: replaced, not added
         module.formats = [p.fmt for p in parts]
+        release_file_pages(replaced, files)
         converted += 1
-    release_file_pages(replaced)
     if not converted:
         raise KvlabError("--activation-quant int8 applies to matrices in GGUF block formats (a .gguf file, or "
                          "--quantization q8_0 / q4_0); this model has none")  # fmt: skip
@@ -106,26 +106,36 @@ def _interleave_experts(experts) -> tuple[int, int]:
 MADV_DONTNEED = 4  # Linux's madvise advice: drop these pages from the process (a file's come back from it)
 
 
-def release_file_pages(tensors) -> int:
-    """Drop from this process's resident memory the whole pages of `tensors` that lie in read-only file
-    mappings (the memory-mapped GGUF whose blocks were just repacked and read once to do it): if
-    anything reads them again, the kernel maps them again from the file, so no value can change, and
-    memory that is not a read-only file mapping is left alone. Returns the bytes released (0 off Linux)."""
-    import ctypes
-    import mmap
-
+def read_only_file_maps() -> list[tuple[int, int]]:
+    """(start, end) of each of this process's read-only mappings of a file (/proc/self/maps); [] off Linux."""
     try:
         with open("/proc/self/maps") as f:
             lines = f.read().splitlines()
-        madvise = ctypes.CDLL(None, use_errno=True).madvise
-    except (OSError, AttributeError):
-        return 0
-    files = []  # (start, end) of each read-only mapping of a file
+    except OSError:
+        return []
+    files = []
     for line in lines:
         fields = line.split()
         if len(fields) >= 6 and "w" not in fields[1] and fields[4] != "0":
             start, end = (int(v, 16) for v in fields[0].split("-"))
             files.append((start, end))
+    return files
+
+
+def release_file_pages(tensors, files: list[tuple[int, int]] | None = None) -> int:
+    """Drop from this process's resident memory the whole pages of `tensors` that lie in read-only file
+    mappings (`files`, by default read_only_file_maps(): the memory-mapped GGUF whose blocks were just
+    repacked and read once to do it). If anything reads them again, the kernel maps them again from the
+    file, so no value can change; memory that is not such a mapping is left alone. Returns the bytes
+    released (0 off Linux)."""
+    import ctypes
+    import mmap
+
+    files = read_only_file_maps() if files is None else files
+    try:
+        madvise = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return 0
     madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     page, released = mmap.PAGESIZE, 0
     for t in tensors:
