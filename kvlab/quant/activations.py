@@ -132,9 +132,11 @@ def release_file_pages(tensors, files: list[tuple[int, int]] | None = None) -> i
     import mmap
 
     files = read_only_file_maps() if files is None else files
+    if not files:
+        return 0
     try:
         madvise = ctypes.CDLL(None, use_errno=True).madvise
-    except (OSError, AttributeError):
+    except (OSError, AttributeError, TypeError):
         return 0
     madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     page, released = mmap.PAGESIZE, 0
