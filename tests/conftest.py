@@ -16,6 +16,44 @@ def real_model():
     return get
 
 
+@pytest.fixture(scope="session")
+def transformers_reference():
+    """Return a function path of a real .gguf → transformers' own model of it (float32, eval), the oracle.
+
+    transformers reads a GGUF by dequantizing every tensor in NumPy (40-75 s for these models). The
+    model it builds is kept once — its config and its weights as safetensors, keyed by the file and
+    transformers' version — and later runs build the same model from them (seconds). Nothing of kvlab's
+    is involved either way."""
+    import shutil
+
+    import safetensors.torch
+    import torch
+    import transformers
+
+    from kvlab.hub import kvlab_home
+
+    def load(path):
+        stat = path.stat()
+        saved = kvlab_home() / "test-oracle" / f"{path.stem}-{stat.st_size}-transformers-{transformers.__version__}"
+        if (saved / "model.safetensors").exists():
+            config = transformers.AutoConfig.from_pretrained(str(saved))
+            model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+            safetensors.torch.load_model(model, str(saved / "model.safetensors"))
+            return model.eval()
+        model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                                  dtype=torch.float32).eval()  # fmt: skip
+        partial = saved.with_name(saved.name + ".partial")
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir(parents=True)
+        model.config.to_json_file(str(partial / "config.json"))
+        safetensors.torch.save_model(model, str(partial / "model.safetensors"))
+        shutil.rmtree(saved, ignore_errors=True)
+        partial.rename(saved)  # whole or not at all
+        return model
+
+    return load
+
+
 def pytest_configure(config):
     import sys
     from pathlib import Path

@@ -36,13 +36,11 @@ def ours(path):
 
 
 @pytest.fixture(scope="module")
-def reference(path):
+def reference(path, transformers_reference):
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                              dtype=torch.float32).eval()  # fmt: skip
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    return model, tokenizer
+    return transformers_reference(path), tokenizer
 
 
 @pytest.mark.parametrize("prompt", RAW_PROMPTS, ids=["france", "code", "story", "long"])

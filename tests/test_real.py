@@ -25,15 +25,10 @@ GREEDY_64 = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module", params=["smollm2-135m", "qwen2.5-coder-0.5b"])
-def models(request, real_model):
-    import transformers
-
+def models(request, real_model, transformers_reference):
     path = real_model(request.param)
     ours = LLM(request.param)
-    ref = transformers.AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=torch.float32
-    ).eval()
-    return request.param, ours, ref
+    return request.param, ours, transformers_reference(path)
 
 
 def reference_greedy(ref, ids: list[int], n: int) -> list[int]:
