@@ -31,8 +31,8 @@ class ModelDriver:
         self._decode_path = None  # the decode backend (kvlab/backends), chosen at the first decode pass
         # the formats of the GGUF blocks kept packed: a prompt's products may run on the kernels' pool too
         # (ops.torch_threads)
-        self.packed = frozenset(f for m in (model.modules() if model is not None else ()) if isinstance(m, PackedLinear)
-                                for f in m.formats)  # fmt: skip
+        modules = model.modules() if model is not None else ()
+        self.packed = frozenset(f for m in modules if isinstance(m, PackedLinear) for f in m.formats)
 
     @property
     def device(self) -> torch.device:
