@@ -83,6 +83,19 @@ def test_a_rows_bits_do_not_depend_on_its_batch_or_the_threads(fmt):
         assert torch.equal(quant.packed_linear(x[i : i + 1], [part], out), one[i : i + 1]), i
 
 
+# bytes a weight of the interleaved copy: the codes as the kernels read them (4-bit or widened to 8)
+# and each sub-block's scale (and min) as the file keeps it, not as a float32
+BYTES_PER_WEIGHT = {"Q8_0": 1 + 2 / 32, "Q4_0": 0.5 + 2 / 32, "Q4_1": 0.5 + 4 / 32, "Q5_0": 1 + 2 / 32,
+                    "Q4_K": 0.5 + 2 / 32 + 8 / 256, "Q5_K": 1 + 2 / 32 + 8 / 256, "Q6_K": 1 + 1 / 16 + 4 / 256}
+
+
+@needs_kernel
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_the_interleaved_copy_keeps_the_files_scales_not_float32_ones(fmt):
+    part, _ = interleaved(fmt, 32, 512, seed=4)
+    assert part.data.numel() == 32 * 512 * BYTES_PER_WEIGHT[fmt]
+
+
 @needs_kernel
 def test_zero_and_tiny_activations_and_a_fused_matrix():
     """An all-zero sub-block (scale 0) gives exact zeros; each part of a fused matrix fills its columns."""

@@ -10,14 +10,21 @@
 //
 // Layout ("interleaved", the format names' "x16"): the matrix is repacked once, at load, into items of
 // 16 output rows. Within an item, sub-block b (S values: 32, or 16 for Q6_K) of the 16 rows is one group:
-// the 16 rows' codes, lane r of every 64-byte register holding 4 codes of row r, then the 16 rows'
-// float scales and (where the format has them) mins. Every weight is scale·(code − off) + min with an
-// unsigned code (0..255), so one vpdpbusd multiplies 4 codes of each of 16 rows with 4 codes of x
-// broadcast to all lanes, and lane r ends as row r's sum: no horizontal sums at all.
+// the 16 rows' codes, lane r of every 64-byte register holding 4 codes of row r. Every weight is
+// scale·(code − off) + min with an unsigned code (0..255), so one vpdpbusd multiplies 4 codes of each of
+// 16 rows with 4 codes of x broadcast to all lanes, and lane r ends as row r's sum: no horizontal sums.
 //
 //   codes as 4-bit (Q4_0, Q4_1, Q4_K): register k (0..3) holds bytes 4k..4k+3 of each row's 16 bytes,
 //   byte j = code j | code j + 16 << 4; as 8-bit (Q8_0 + 128, Q5_0, Q5_K, Q6_K): register k holds codes
 //   4k..4k+3.
+//
+// The groups go in super-blocks of G: a head with the G groups' scales (and mins), then their codes, each
+// part in whole 64-byte lines. The scales are kept as the source has them, not as float32 (which read a
+// quarter more bytes per Q4_K weight): Q8_0, Q4_0, Q4_1, Q5_0 (G = 2) keep each group's float16 scale
+// (and min); the K-quants (G = a 256-value block's groups) keep each group's 6- or 8-bit integer scale
+// (and min) and the block's float d (and −dmin). A group's scale is then d·sc: a float16 times an integer
+// under 256 is exact in float32, so the kernels multiply with the very floats a float32 copy would hold.
+// The last super-block of a row may hold fewer than G groups.
 //
 // Per (item, row of x, group): isum = codes · q − off·sum(q) (integers, exact); then
 // acc += float(isum) · (scale · dx) and, with mins, acc += min · (dx·sum(q)). The same operations in
@@ -34,7 +41,7 @@
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #include <immintrin.h>
 #define VNNI 1
-#elif defined(__AVX2__) && defined(__FMA__)
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define DOT2 1  // AVX2: vpmaddubsw + vpmaddwd in place of one vpdpbusd
 #endif
@@ -48,13 +55,15 @@ typedef struct {
     int nibble;   // codes stored as 4-bit
     int off;      // weight = scale·(code − off) + min
     int has_min;  // a per-sub-block min
+    int G;        // groups per super-block
+    int kq;       // scales as int8 per group times a float per super-block (K-quants); else float16 per group
 } Layout;
 
 // By quant.c's source format id (its enum): F32, F16, BF16 have no interleaved form
 static const Layout LAYOUTS[] = {
-    [KVLAB_Q8_0] = {32, 0, 128, 0}, [KVLAB_Q4_0] = {32, 1, 8, 0}, [KVLAB_Q4_1] = {32, 1, 0, 1},
-    [KVLAB_Q5_0] = {32, 0, 16, 0},  [KVLAB_Q4_K] = {32, 1, 0, 1}, [KVLAB_Q5_K] = {32, 0, 0, 1},
-    [KVLAB_Q6_K] = {16, 0, 32, 0},
+    [KVLAB_Q8_0] = {32, 0, 128, 0, 2, 0}, [KVLAB_Q4_0] = {32, 1, 8, 0, 2, 0}, [KVLAB_Q4_1] = {32, 1, 0, 1, 2, 0},
+    [KVLAB_Q5_0] = {32, 0, 16, 0, 2, 0},  [KVLAB_Q4_K] = {32, 1, 0, 1, 8, 1}, [KVLAB_Q5_K] = {32, 0, 0, 1, 8, 1},
+    [KVLAB_Q6_K] = {16, 0, 32, 0, 16, 1},
 };
 
 static int layout(int fmt, Layout* l) {
@@ -63,8 +72,21 @@ static int layout(int fmt, Layout* l) {
     return 0;
 }
 
-static int64_t group_bytes(const Layout* l) {
-    return LANES * (l->nibble ? l->S / 2 : l->S) + LANES * 4 * (1 + l->has_min);
+// One group's codes: 16 rows of S codes, as 4-bit or 8-bit
+static int64_t code_bytes(const Layout* l) { return LANES * (l->nibble ? l->S / 2 : l->S); }
+
+// A super-block's head. K-quants: sc int8 [G][16], (mins) m int8 [G][16], d float [16], (mins) −dmin
+// float [16]. The others: scales float16 [G][16], (mins) mins float16 [G][16].
+static int64_t head_bytes(const Layout* l) {
+    const int parts = 1 + l->has_min;
+    return l->kq ? parts * (LANES * l->G + LANES * 4) : parts * LANES * 2 * l->G;
+}
+
+static int64_t super_bytes(const Layout* l) { return head_bytes(l) + l->G * code_bytes(l); }
+
+static int64_t item_bytes(const Layout* l, int64_t groups) {
+    const int64_t rest = groups % l->G;
+    return groups / l->G * super_bytes(l) + (rest ? head_bytes(l) + rest * code_bytes(l) : 0);
 }
 
 static float f16(const uint8_t* p) {
@@ -83,24 +105,34 @@ static void k_scales(const uint8_t* s, uint8_t* sc, uint8_t* mn) {  // as quant.
     }
 }
 
-// codes[v] for the block's values v, scale[g] and min[g] for its sub-blocks g (S values each)
-static void split_block(int fmt, const uint8_t* p, uint8_t* codes, float* scale, float* min) {
+// A source block taken apart: its values' codes, and its sub-blocks' scales and mins as the head keeps them
+typedef struct {
+    uint8_t codes[256];
+    uint16_t half_scale, half_min;  // float16 bits: one sub-block (Q8_0, Q4_0, Q4_1, Q5_0)
+    int8_t sc[16], mn[16];          // K-quants: each sub-block's integers …
+    float d, neg_dmin;              // … and the block's factors
+} Split;
+
+static void split_block(int fmt, const uint8_t* p, Split* s) {
+    memset(s, 0, sizeof *s);
+    uint8_t* codes = s->codes;
     switch (fmt) {
     case KVLAB_Q8_0:
-        scale[0] = f16(p), min[0] = 0;
+        memcpy(&s->half_scale, p, 2);
         for (int j = 0; j < 32; j++) codes[j] = (uint8_t)((int8_t)p[2 + j] + 128);
         return;
     case KVLAB_Q4_0:
     case KVLAB_Q4_1: {
         const uint8_t* q = p + (fmt == KVLAB_Q4_0 ? 2 : 4);
-        scale[0] = f16(p), min[0] = fmt == KVLAB_Q4_1 ? f16(p + 2) : 0;
+        memcpy(&s->half_scale, p, 2);
+        if (fmt == KVLAB_Q4_1) memcpy(&s->half_min, p + 2, 2);
         for (int j = 0; j < 16; j++) codes[j] = q[j] & 15, codes[j + 16] = q[j] >> 4;
         return;
     }
     case KVLAB_Q5_0: {
         uint32_t qh;
         memcpy(&qh, p + 2, sizeof qh);
-        scale[0] = f16(p), min[0] = 0;
+        memcpy(&s->half_scale, p, 2);
         for (int j = 0; j < 16; j++) {
             codes[j] = (p[6 + j] & 15) | ((qh >> j & 1) << 4);
             codes[j + 16] = (p[6 + j] >> 4) | ((qh >> (j + 16) & 1) << 4);
@@ -110,11 +142,11 @@ static void split_block(int fmt, const uint8_t* p, uint8_t* codes, float* scale,
     case KVLAB_Q4_K:
     case KVLAB_Q5_K: {
         uint8_t sc[8], mn[8];
-        const float d = f16(p), dmin = f16(p + 2);
+        s->d = f16(p), s->neg_dmin = -f16(p + 2);
         k_scales(p + 4, sc, mn);
         const uint8_t* q = p + (fmt == KVLAB_Q4_K ? 16 : 48);
         for (int g = 0; g < 8; g++) {
-            scale[g] = d * sc[g], min[g] = -(dmin * mn[g]);
+            s->sc[g] = (int8_t)sc[g], s->mn[g] = (int8_t)mn[g];  // 6-bit: 0..63
             for (int l = 0; l < 32; l++) {
                 int c = g % 2 ? q[32 * (g / 2) + l] >> 4 : q[32 * (g / 2) + l] & 15;
                 if (fmt == KVLAB_Q5_K) c |= (p[16 + l] >> g & 1) << 4;
@@ -124,8 +156,8 @@ static void split_block(int fmt, const uint8_t* p, uint8_t* codes, float* scale,
         return;
     }
     default: {  // Q6_K: 16 groups of 16
-        const float d = f16(p + 208);
-        for (int g = 0; g < 16; g++) scale[g] = d * (int8_t)p[192 + g], min[g] = 0;
+        s->d = f16(p + 208);
+        memcpy(s->sc, p + 192, 16);
         for (int h = 0; h < 2; h++)  // each half: 128 values from 64 bytes of ql and 32 of qh
             for (int l = 0; l < 32; l++) {
                 const uint8_t *ql = p + 64 * h, hb = p[128 + 32 * h + l];
@@ -139,10 +171,33 @@ static void split_block(int fmt, const uint8_t* p, uint8_t* codes, float* scale,
     }
 }
 
+// Group b of an item: its super-block's head, and its place gi among that super-block's groups
+static const uint8_t* group_head(const Layout* l, const uint8_t* item, int64_t b, int* gi) {
+    *gi = (int)(b % l->G);
+    return item + b / l->G * super_bytes(l);
+}
+
+// The head's parts: each group's scales (and mins) for 16 lanes, and (K-quants) the block's d and −dmin
+static int64_t scale_at(const Layout* l, int gi) { return l->kq ? LANES * gi : 2 * LANES * gi; }
+static int64_t min_at(const Layout* l, int gi) { return (l->kq ? LANES : 2 * LANES) * (l->G + gi); }
+static int64_t d_at(const Layout* l) { return LANES * l->G * (1 + l->has_min); }
+
+// Lane r's scale and min of group gi, as the vector kernels compute them: d·sc and −dmin·m (exact in
+// float32), or the float16 as a float
+static inline float lane_scale(const Layout* l, const uint8_t* head, int gi, int r, float* min) {
+    if (!l->kq) {
+        *min = l->has_min ? f16(head + min_at(l, gi) + 2 * r) : 0.0f;
+        return f16(head + scale_at(l, gi) + 2 * r);
+    }
+    const float* d = (const float*)(head + d_at(l));
+    *min = l->has_min ? (float)(int8_t)head[min_at(l, gi) + r] * d[LANES + r] : 0.0f;
+    return (float)(int8_t)head[scale_at(l, gi) + r] * d[r];
+}
+
 int64_t kvlab_i8_bytes(int fmt, int64_t rows, int64_t n) {
     Layout l;
     if (layout(fmt, &l) || n % l.S) return -1;
-    return (rows + LANES - 1) / LANES * (n / l.S) * group_bytes(&l);
+    return (rows + LANES - 1) / LANES * item_bytes(&l, n / l.S);
 }
 
 // Repack `rows` rows of `fmt` blocks (row r at w + r·ldw, n values each) into out (kvlab_i8_bytes).
@@ -150,27 +205,35 @@ int kvlab_i8_repack(int fmt, const uint8_t* w, int64_t ldw, int64_t rows, int64_
                     int block_bytes, uint8_t* out) {
     Layout l;
     if (layout(fmt, &l) || n % block_values || block_values % l.S) return -1;
-    const int64_t groups = n / l.S, gb = group_bytes(&l), per_block = block_values / l.S;
-    const int code_bytes = l.nibble ? l.S / 2 : l.S;
-    memset(out, 0, (rows + LANES - 1) / LANES * groups * gb);  // missing rows: zero codes, scales, mins
-    uint8_t codes[256];
-    float scale[16], min[16];
+    const int64_t groups = n / l.S, ib = item_bytes(&l, groups), per_block = block_values / l.S;
+    const int cb = (int)code_bytes(&l) / LANES;  // one row's code bytes in a group
+    memset(out, 0, (rows + LANES - 1) / LANES * ib);  // missing rows: zero codes, scales, mins
+    Split split;
     for (int64_t r = 0; r < rows; r++) {
-        uint8_t* item = out + r / LANES * groups * gb;
+        uint8_t* item = out + r / LANES * ib;
         const int lane = (int)(r % LANES);
         for (int64_t b = 0; b < n / block_values; b++) {
-            split_block(fmt, w + r * ldw + b * block_bytes, codes, scale, min);
+            split_block(fmt, w + r * ldw + b * block_bytes, &split);
             for (int64_t s = 0; s < per_block; s++) {
-                uint8_t* g = item + (b * per_block + s) * gb;
-                const uint8_t* c = codes + s * l.S;
-                for (int k = 0; k < code_bytes / 4; k++)  // register k, lane `lane`: 4 bytes
+                int gi;
+                uint8_t* head = (uint8_t*)group_head(&l, item, b * per_block + s, &gi);
+                uint8_t* g = head + head_bytes(&l) + gi * code_bytes(&l);
+                const uint8_t* c = split.codes + s * l.S;
+                for (int k = 0; k < cb / 4; k++)  // register k, lane `lane`: 4 bytes
                     for (int t = 0; t < 4; t++) {
                         const int j = 4 * k + t;
                         g[64 * k + 4 * lane + t] = l.nibble ? (uint8_t)(c[j] | c[j + 16] << 4) : c[j];
                     }
-                float* sc = (float*)(g + LANES * code_bytes);
-                sc[lane] = scale[s];
-                if (l.has_min) sc[LANES + lane] = min[s];
+                if (!l.kq) {
+                    memcpy(head + scale_at(&l, gi) + 2 * lane, &split.half_scale, 2);
+                    if (l.has_min) memcpy(head + min_at(&l, gi) + 2 * lane, &split.half_min, 2);
+                    continue;
+                }
+                head[scale_at(&l, gi) + lane] = (uint8_t)split.sc[s];
+                if (l.has_min) head[min_at(&l, gi) + lane] = (uint8_t)split.mn[s];
+                float* d = (float*)(head + d_at(&l));
+                d[lane] = split.d;
+                if (l.has_min) d[LANES + lane] = split.neg_dmin;
             }
         }
     }
@@ -287,18 +350,32 @@ typedef struct {
     int64_t m, groups, ldy, out;
 } Product;
 
+// A kernel's layout as constants (NIB: 4-bit codes; NW: code registers per group, 4 or 8; MIN; KQ: integer
+// scales), so that finding group b is shifts and adds: its super-block, its place there, its codes.
+#define GROUPS_PER_SUPER(NIB, NW, KQ) ((KQ) ? (!(NIB) && (NW) == 4 ? 16 : 8) : 2)
+#define HEAD_BYTES(NIB, NW, MIN, KQ) \
+    ((1 + (MIN)) * LANES * ((KQ) ? GROUPS_PER_SUPER(NIB, NW, KQ) + 4 : 2 * GROUPS_PER_SUPER(NIB, NW, KQ)))
+#define CODE_BYTES(NIB, NW) (64 * ((NIB) ? (NW) / 2 : (NW)))
+
 #if defined(VNNI)
 // M activation rows against one item's groups. NIB, NW (code registers per group: 4 or 8) and MIN are
 // the layout's, as constants, so that everything stays in registers: M sums of NW vpdpbusd each, the
 // M interleaved so that no sum waits on its own last instruction.
+static inline __m512 int8_times16(const uint8_t* sc, const float* d) {  // 16 int8 as floats, times d lane by lane
+    const __m128i q = _mm_loadu_si128((const __m128i*)sc);
+    return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)), _mm512_loadu_ps(d));
+}
+
 static inline __attribute__((always_inline)) void item_rows(const Product* p, const uint8_t* item, int64_t i0,
                                                             const int M, const int NIB, const int NW, const int MIN,
-                                                            __m512* acc) {
-    const int gb = (int)group_bytes(&p->l), words = NIB ? NW / 2 : NW;
+                                                            const int KQ, __m512* acc) {
+    const int G = GROUPS_PER_SUPER(NIB, NW, KQ), HB = HEAD_BYTES(NIB, NW, MIN, KQ), CB = CODE_BYTES(NIB, NW);
     const __m512i low4 = _mm512_set1_epi8(15);
     for (int i = 0; i < M; i++) acc[i] = _mm512_setzero_ps();
     for (int64_t b = 0; b < p->groups; b++) {
-        const uint8_t* g = item + b * gb;
+        const int gi = (int)(b % G);
+        const uint8_t* head = item + b / G * (HB + G * CB);
+        const uint8_t* g = head + HB + gi * CB;
         const XBlock* xs = p->xq + b * p->m + i0;
         __m512i w[8];
         if (NIB) {
@@ -315,13 +392,20 @@ static inline __attribute__((always_inline)) void item_rows(const Product* p, co
         for (int k = 0; k < NW; k++)
 #pragma GCC unroll 8
             for (int i = 0; i < M; i++) s[i] = _mm512_dpbusd_epi32(s[i], w[k], _mm512_set1_epi32(xs[i].q[k]));
-        const float* sc = (const float*)(g + 64 * words);
-        const __m512 scale = _mm512_loadu_ps(sc);
+        __m512 scale, min = _mm512_setzero_ps();  // the 16 lanes' scales (and mins): lane_scale's numbers
+        if (KQ) {
+            const float* d = (const float*)(head + LANES * G * (1 + MIN));
+            scale = int8_times16(head + LANES * gi, d);
+            if (MIN) min = int8_times16(head + LANES * (G + gi), d + LANES);
+        } else {
+            scale = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(head + 2 * LANES * gi)));
+            if (MIN) min = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(head + 2 * LANES * (G + gi))));
+        }
 #pragma GCC unroll 8
         for (int i = 0; i < M; i++) {
             const XBlock* x = xs + i;
             acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[i]), _mm512_mul_ps(scale, _mm512_set1_ps(x->dx)), acc[i]);
-            if (MIN) acc[i] = _mm512_fmadd_ps(_mm512_loadu_ps(sc + LANES), _mm512_set1_ps(x->dx_sum), acc[i]);
+            if (MIN) acc[i] = _mm512_fmadd_ps(min, _mm512_set1_ps(x->dx_sum), acc[i]);
         }
     }
 }
@@ -329,15 +413,12 @@ static inline __attribute__((always_inline)) void item_rows(const Product* p, co
 #define LAYOUT_ROWS(M)                                                                             \
     static void rows_##M(const Product* p, const uint8_t* item, int64_t i0, __m512* acc) {          \
         const Layout* l = &p->l;                                                                   \
-        if (l->nibble) {                                                                           \
-            if (l->has_min) item_rows(p, item, i0, M, 1, 8, 1, acc);                               \
-            else item_rows(p, item, i0, M, 1, 8, 0, acc);                                          \
-        } else if (l->S == 16) {                                                                   \
-            item_rows(p, item, i0, M, 0, 4, 0, acc);                                               \
-        } else {                                                                                   \
-            if (l->has_min) item_rows(p, item, i0, M, 0, 8, 1, acc);                               \
-            else item_rows(p, item, i0, M, 0, 8, 0, acc);                                          \
-        }                                                                                          \
+        if (l->nibble && l->kq) item_rows(p, item, i0, M, 1, 8, 1, 1, acc);                        \
+        else if (l->nibble && l->has_min) item_rows(p, item, i0, M, 1, 8, 1, 0, acc);              \
+        else if (l->nibble) item_rows(p, item, i0, M, 1, 8, 0, 0, acc);                            \
+        else if (l->S == 16) item_rows(p, item, i0, M, 0, 4, 0, 1, acc);                           \
+        else if (l->has_min) item_rows(p, item, i0, M, 0, 8, 1, 1, acc);                           \
+        else item_rows(p, item, i0, M, 0, 8, 0, 0, acc);                                           \
     }
 LAYOUT_ROWS(1)
 LAYOUT_ROWS(2)
@@ -352,14 +433,14 @@ static void (*const ROWS_OF[MTILE])(const Product*, const uint8_t*, int64_t, __m
 
 static void items(void* ctx, uint32_t begin, uint32_t end) {
     const Product* p = ctx;
-    const int64_t item_bytes = p->groups * group_bytes(&p->l);
+    const int64_t ib = item_bytes(&p->l, p->groups);
     for (int64_t it = begin; it < end; it++) {
         const int64_t o0 = it * LANES;
         const __mmask16 keep = p->out - o0 >= LANES ? 0xFFFF : (__mmask16)((1u << (p->out - o0)) - 1);
         for (int64_t i = 0; i < p->m; i += MTILE) {
             __m512 acc[MTILE];
             const int M = p->m - i < MTILE ? (int)(p->m - i) : MTILE;
-            ROWS_OF[M - 1](p, p->w + it * item_bytes, i, acc);
+            ROWS_OF[M - 1](p, p->w + it * ib, i, acc);
             for (int k = 0; k < M; k++) _mm512_mask_storeu_ps(p->y + (i + k) * p->ldy + o0, keep, acc[k]);
         }
     }
@@ -374,16 +455,23 @@ static void items(void* ctx, uint32_t begin, uint32_t end) {
 // same bits.
 #define MT2 4  // activation rows per pass over a half item: 4 of int16 sums, int32 sums and accumulators
 
+static inline __m256 int8_times8(const uint8_t* sc, const float* d) {  // 8 int8 as floats, times d lane by lane
+    const __m128i q = _mm_loadl_epi64((const __m128i*)sc);
+    return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), _mm256_loadu_ps(d));
+}
+
 static inline __attribute__((always_inline)) void half_rows(const Product* p, const uint8_t* item, int64_t i0,
                                                             const int M, int h, const int NIB, const int NW,
-                                                            const int MIN, const int SIGNED, const int K16,
-                                                            __m256* acc) {
-    const int gb = (int)group_bytes(&p->l), words = NIB ? NW / 2 : NW;
+                                                            const int MIN, const int KQ, const int SIGNED,
+                                                            const int K16, __m256* acc) {
+    const int G = GROUPS_PER_SUPER(NIB, NW, KQ), HB = HEAD_BYTES(NIB, NW, MIN, KQ), CB = CODE_BYTES(NIB, NW);
     const __m256i low4 = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8((char)0x80);
     __m256 a[MT2];  // in registers: acc is memory the code loads could alias
     for (int i = 0; i < M; i++) a[i] = _mm256_setzero_ps();
     for (int64_t b = 0; b < p->groups; b++) {
-        const uint8_t* g = item + b * gb;
+        const int gi = (int)(b % G);
+        const uint8_t* head = item + b / G * (HB + G * CB);
+        const uint8_t* g = head + HB + gi * CB;
         const XBlock* xs = p->xq + b * p->m + i0;
         __m256i s[MT2], s16[MT2];
         // one code register at a time against the M rows: the M sums, not 8 code registers, stay live
@@ -414,12 +502,19 @@ static inline __attribute__((always_inline)) void half_rows(const Product* p, co
             for (int i = 0; i < M; i++) __asm__ volatile("" : "+x"(s16[i]));
             __asm__ volatile("" ::: "memory");
         }
-        const float* sc = (const float*)(g + 64 * words);
-        const __m256 scale = _mm256_loadu_ps(sc + 8 * h);
+        __m256 scale, min = _mm256_setzero_ps();  // the half's 8 scales (and mins): lane_scale's numbers
+        if (KQ) {
+            const float* d = (const float*)(head + LANES * G * (1 + MIN)) + 8 * h;
+            scale = int8_times8(head + LANES * gi + 8 * h, d);
+            if (MIN) min = int8_times8(head + LANES * (G + gi) + 8 * h, d + LANES);
+        } else {
+            scale = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(head + 2 * LANES * gi + 16 * h)));
+            if (MIN) min = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(head + 2 * LANES * (G + gi) + 16 * h)));
+        }
 #pragma GCC unroll 4
         for (int i = 0; i < M; i++) {
             a[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[i]), _mm256_mul_ps(scale, _mm256_set1_ps(xs[i].dx)), a[i]);
-            if (MIN) a[i] = _mm256_fmadd_ps(_mm256_loadu_ps(sc + LANES + 8 * h), _mm256_set1_ps(xs[i].dx_sum), a[i]);
+            if (MIN) a[i] = _mm256_fmadd_ps(min, _mm256_set1_ps(xs[i].dx_sum), a[i]);
         }
     }
     for (int i = 0; i < M; i++) acc[i] = a[i];
@@ -429,12 +524,13 @@ static inline __attribute__((always_inline)) void half_rows(const Product* p, co
 #define HALF_ROWS(M)                                                                               \
     static void half_rows_##M(const Product* p, const uint8_t* item, int64_t i0, int h, __m256* acc) { \
         const Layout* l = &p->l;                                                                   \
-        if (l->nibble && l->has_min) half_rows(p, item, i0, M, h, 1, 8, 1, 0, 8, acc);             \
-        else if (l->nibble) half_rows(p, item, i0, M, h, 1, 8, 0, 0, 8, acc);                      \
-        else if (l->S == 16) half_rows(p, item, i0, M, h, 0, 4, 0, 0, 2, acc);                     \
-        else if (l->off == 128) half_rows(p, item, i0, M, h, 0, 8, 0, 1, 1, acc);                  \
-        else if (l->has_min) half_rows(p, item, i0, M, h, 0, 8, 1, 0, 4, acc);                     \
-        else half_rows(p, item, i0, M, h, 0, 8, 0, 0, 4, acc);                                     \
+        if (l->nibble && l->kq) half_rows(p, item, i0, M, h, 1, 8, 1, 1, 0, 8, acc);               \
+        else if (l->nibble && l->has_min) half_rows(p, item, i0, M, h, 1, 8, 1, 0, 0, 8, acc);     \
+        else if (l->nibble) half_rows(p, item, i0, M, h, 1, 8, 0, 0, 0, 8, acc);                   \
+        else if (l->S == 16) half_rows(p, item, i0, M, h, 0, 4, 0, 1, 0, 2, acc);                  \
+        else if (l->off == 128) half_rows(p, item, i0, M, h, 0, 8, 0, 0, 1, 1, acc);               \
+        else if (l->has_min) half_rows(p, item, i0, M, h, 0, 8, 1, 1, 0, 4, acc);                  \
+        else half_rows(p, item, i0, M, h, 0, 8, 0, 0, 0, 4, acc);                                  \
     }
 HALF_ROWS(1)
 HALF_ROWS(2)
@@ -445,7 +541,7 @@ static void (*const HALF_ROWS_OF[MT2])(const Product*, const uint8_t*, int64_t, 
 
 static void items(void* ctx, uint32_t begin, uint32_t end) {
     const Product* p = ctx;
-    const int64_t item_bytes = p->groups * group_bytes(&p->l);
+    const int64_t ib = item_bytes(&p->l, p->groups);
     for (int64_t it = begin; it < end; it++) {
         const int64_t o0 = it * LANES;
         const int rows = p->out - o0 >= LANES ? LANES : (int)(p->out - o0);
@@ -453,7 +549,7 @@ static void items(void* ctx, uint32_t begin, uint32_t end) {
             const int M = p->m - i < MT2 ? (int)(p->m - i) : MT2;
             for (int h = 0; h < 2 && 8 * h < rows; h++) {
                 __m256 acc[MT2];
-                HALF_ROWS_OF[M - 1](p, p->w + it * item_bytes, i, h, acc);
+                HALF_ROWS_OF[M - 1](p, p->w + it * ib, i, h, acc);
                 for (int k = 0; k < M; k++) {
                     float* y = p->y + (i + k) * p->ldy + o0 + 8 * h;
                     if (rows >= 8 * h + 8) {
@@ -473,7 +569,7 @@ static void items(void* ctx, uint32_t begin, uint32_t end) {
 static void items(void* ctx, uint32_t begin, uint32_t end) {
     const Product* p = ctx;
     const int nib = p->l.nibble, words = (nib ? p->l.S / 2 : p->l.S) / 4;
-    const int64_t gb = group_bytes(&p->l), item_bytes = p->groups * gb;
+    const int64_t ib = item_bytes(&p->l, p->groups), hb = head_bytes(&p->l), cb = code_bytes(&p->l);
     for (int64_t it = begin; it < end; it++) {
         const int64_t o0 = it * LANES;
         const int rows = p->out - o0 >= LANES ? LANES : (int)(p->out - o0);
@@ -481,7 +577,9 @@ static void items(void* ctx, uint32_t begin, uint32_t end) {
             for (int r = 0; r < rows; r++) {
                 float acc = 0;
                 for (int64_t b = 0; b < p->groups; b++) {
-                    const uint8_t* g = p->w + it * item_bytes + b * gb;
+                    int gi;
+                    const uint8_t* head = group_head(&p->l, p->w + it * ib, b, &gi);
+                    const uint8_t* g = head + hb + gi * cb;
                     const XBlock* x = p->xq + b * p->m + i;
                     const int8_t* xq = (const int8_t*)x->q;
                     int32_t isum = 0;
@@ -491,9 +589,10 @@ static void items(void* ctx, uint32_t begin, uint32_t end) {
                             if (nib) isum += (c & 15) * xq[4 * k + t] + (c >> 4) * xq[16 + 4 * k + t];
                             else isum += c * xq[4 * k + t];
                         }
-                    const float* sc = (const float*)(g + 64 * words);
-                    acc = fmaf((float)(isum + x->neg_off), sc[r] * x->dx, acc);
-                    if (p->l.has_min) acc = fmaf(sc[LANES + r], x->dx_sum, acc);
+                    float min;
+                    const float scale = lane_scale(&p->l, head, gi, r, &min);
+                    acc = fmaf((float)(isum + x->neg_off), scale * x->dx, acc);
+                    if (p->l.has_min) acc = fmaf(min, x->dx_sum, acc);
                 }
                 p->y[i * p->ldy + o0 + r] = acc;
             }
