@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 
@@ -16,42 +18,106 @@ def real_model():
     return get
 
 
-@pytest.fixture(scope="session")
-def transformers_reference():
-    """Return a function path of a real .gguf → transformers' own model of it (float32, eval), the oracle.
+class Oracle:
+    """transformers' own model of a real GGUF (float32, eval) and its tokenizer: the reference the real
+    tests compare kvlab with. Nothing of kvlab's is involved.
 
-    transformers reads a GGUF by dequantizing every tensor in NumPy (40-75 s for these models). The
-    model it builds is kept once — its config and its weights as safetensors, keyed by the file and
-    transformers' version — and later runs build the same model from them (seconds). Nothing of kvlab's
-    is involved either way."""
-    import shutil
+    transformers reads a GGUF by dequantizing every tensor in NumPy (40-75 s for these models) and
+    builds its tokenizer by converting the file's vocabulary (up to half a minute for Gemma's). Both are
+    kept once, keyed by the file and transformers' version: the model as its config and safetensors,
+    the tokenizer as its own saved files. Its greedy continuation of a prompt (transformers' generate)
+    is kept too, keyed by the ids, the length and PyTorch's version, so that a later run computes only
+    kvlab's side of each comparison. KVLAB_TEST_ORACLE=fresh recomputes and replaces every kept
+    answer."""
 
-    import safetensors.torch
-    import torch
-    import transformers
+    def __init__(self, path):
+        import torch
+        import transformers
 
-    from kvlab.hub import kvlab_home
+        from kvlab.hub import kvlab_home
 
-    def load(path):
-        stat = path.stat()
-        saved = kvlab_home() / "test-oracle" / f"{path.stem}-{stat.st_size}-transformers-{transformers.__version__}"
-        if (saved / "model.safetensors").exists():
-            config = transformers.AutoConfig.from_pretrained(str(saved))
+        self.path = path
+        size = path.stat().st_size
+        self.saved = kvlab_home() / "test-oracle" / f"{path.stem}-{size}-transformers-{transformers.__version__}"
+        self.torch_version = torch.__version__
+        self.fresh = os.environ.get("KVLAB_TEST_ORACLE") == "fresh"
+        self._model = self._tokenizer = None
+
+    @property
+    def model(self):
+        import safetensors.torch
+        import torch
+        import transformers
+
+        if self._model is not None:
+            return self._model
+        if (self.saved / "model.safetensors").exists() and not self.fresh:
+            config = transformers.AutoConfig.from_pretrained(str(self.saved))
             model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-            safetensors.torch.load_model(model, str(saved / "model.safetensors"))
-            return model.eval()
-        model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                                  dtype=torch.float32).eval()  # fmt: skip
-        partial = saved.with_name(saved.name + ".partial")
+            safetensors.torch.load_model(model, str(self.saved / "model.safetensors"))
+        else:
+            model = transformers.AutoModelForCausalLM.from_pretrained(
+                str(self.path.parent), gguf_file=self.path.name, dtype=torch.float32)  # fmt: skip
+            self._keep("", lambda d: (model.config.to_json_file(str(d / "config.json")),
+                                      safetensors.torch.save_model(model, str(d / "model.safetensors"))))  # fmt: skip
+        self._model = model.eval()
+        return self._model
+
+    @property
+    def tokenizer(self):
+        import transformers
+
+        if self._tokenizer is None:
+            kept = self.saved / "tokenizer"
+            if kept.is_dir() and not self.fresh:
+                self._tokenizer = transformers.AutoTokenizer.from_pretrained(str(kept))
+            else:
+                self._tokenizer = transformers.AutoTokenizer.from_pretrained(str(self.path.parent),
+                                                                             gguf_file=self.path.name)  # fmt: skip
+                self._keep("tokenizer", lambda d: self._tokenizer.save_pretrained(str(d)))
+        return self._tokenizer
+
+    def greedy(self, ids: list[int], n: int) -> list[int]:
+        """transformers' n greedy tokens after ids (no end-of-sequence stop), computed once."""
+        import hashlib
+        import json
+
+        key = hashlib.sha256(json.dumps([self.torch_version, list(ids), n]).encode()).hexdigest()[:32]
+        kept = self.saved / "greedy" / f"{key}.json"
+        if kept.exists() and not self.fresh:
+            return json.loads(kept.read_text())
+        from test_real import reference_greedy
+
+        tokens = reference_greedy(self.model, list(ids), n)
+        kept.parent.mkdir(parents=True, exist_ok=True)
+        partial = kept.with_suffix(".partial")
+        partial.write_text(json.dumps(tokens))
+        partial.replace(kept)  # whole or not at all
+        return tokens
+
+    def _keep(self, name: str, write) -> None:
+        """Write one kept part (the model's files at the top, or a named folder) whole or not at all."""
+        import shutil
+
+        target = self.saved / name if name else self.saved
+        partial = target.with_name(target.name + ".partial")
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
-        model.config.to_json_file(str(partial / "config.json"))
-        safetensors.torch.save_model(model, str(partial / "model.safetensors"))
-        shutil.rmtree(saved, ignore_errors=True)
-        partial.rename(saved)  # whole or not at all
-        return model
+        write(partial)
+        if name:
+            shutil.rmtree(target, ignore_errors=True)
+            partial.rename(target)
+            return
+        self.saved.mkdir(parents=True, exist_ok=True)
+        for f in sorted(partial.iterdir(), key=lambda f: f.suffix == ".safetensors"):  # the weights last: the mark
+            f.replace(self.saved / f.name)
+        partial.rmdir()
 
-    return load
+
+@pytest.fixture(scope="session")
+def transformers_reference():
+    """Return a function path of a real .gguf → its Oracle (transformers' model, tokenizer, greedy answers)."""
+    return Oracle
 
 
 def pytest_configure(config):
@@ -59,8 +125,6 @@ def pytest_configure(config):
     from pathlib import Path
 
     sys.path.insert(0, str(Path(__file__).parent))  # tests/tiny.py is importable as `tiny`
-    import os
-
     os.environ["KVLAB_GC_FREEZE"] = "0"  # this process loads many models: see kvlab.llm.settle_heap
 
 

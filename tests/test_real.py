@@ -28,7 +28,7 @@ GREEDY_64 = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
 def models(request, real_model, transformers_reference):
     path = real_model(request.param)
     ours = LLM(request.param)
-    return request.param, ours, transformers_reference(path)
+    return request.param, ours, transformers_reference(path)  # the Oracle: transformers' model, built when needed
 
 
 def reference_greedy(ref, ids: list[int], n: int) -> list[int]:
@@ -42,16 +42,16 @@ def reference_greedy(ref, ids: list[int], n: int) -> list[int]:
 
 @pytest.mark.parametrize("prompt", RAW_PROMPTS)
 def test_raw_prompt_64_greedy_tokens_match_transformers(models, prompt):
-    name, ours, ref = models
+    name, ours, oracle = models
     out = ours.generate(prompt, GREEDY_64)
-    assert out.token_ids == reference_greedy(ref, out.prompt_token_ids, 64), name
+    assert out.token_ids == oracle.greedy(out.prompt_token_ids, 64), name
 
 
 @pytest.mark.parametrize("messages", CHATS, ids=["user", "system+user"])
 def test_chat_prompt_64_greedy_tokens_match_transformers(models, messages):
-    name, ours, ref = models
+    name, ours, oracle = models
     out = ours.chat(messages, GREEDY_64)
-    assert out.token_ids == reference_greedy(ref, out.prompt_token_ids, 64), name
+    assert out.token_ids == oracle.greedy(out.prompt_token_ids, 64), name
 
 
 def test_answers_paris(models):

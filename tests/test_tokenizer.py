@@ -328,16 +328,15 @@ CONVERSATIONS = {
 
 
 @pytest.fixture(scope="module", params=sorted(REAL_MODELS))
-def real_pair(request, real_model):
-    """(our Tokenizer, transformers' tokenizer, load seconds) for each real GGUF."""
-    import transformers  # a dev dependency: CI must fail, not skip, without it
+def real_pair(request, real_model, transformers_reference):
+    """(our Tokenizer, transformers' tokenizer of the same file, load seconds) for each real GGUF."""
+    import transformers  # noqa: F401 (a dev dependency: CI must fail, not skip, without it)
 
     path = real_model(REAL_MODELS[request.param])
     start = time.perf_counter()
     ours = Tokenizer.load(path)
     seconds = time.perf_counter() - start
-    ref = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    return ours, ref, seconds
+    return ours, transformers_reference(path).tokenizer, seconds
 
 
 @pytest.mark.real
