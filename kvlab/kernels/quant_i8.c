@@ -461,83 +461,98 @@ static inline __m256 int8_times8(const uint8_t* sc, const float* d) {  // 8 int8
 }
 
 static inline __attribute__((always_inline)) void half_rows(const Product* p, const uint8_t* item, int64_t i0,
-                                                            const int M, int h, const int NIB, const int NW,
-                                                            const int MIN, const int KQ, const int SIGNED,
-                                                            const int K16, __m256* acc) {
+                                                            const int M, const int H, int h0, const int NIB,
+                                                            const int NW, const int MIN, const int KQ,
+                                                            const int SIGNED, const int K16, __m256* acc) {
     const int G = GROUPS_PER_SUPER(NIB, NW, KQ), HB = HEAD_BYTES(NIB, NW, MIN, KQ), CB = CODE_BYTES(NIB, NW);
+    const int U = M * H;  // (half, row) pairs: pair u is row u % M of half h0 + u / M
     const __m256i low4 = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8((char)0x80);
     __m256 a[MT2];  // in registers: acc is memory the code loads could alias
-    for (int i = 0; i < M; i++) a[i] = _mm256_setzero_ps();
+    for (int u = 0; u < U; u++) a[u] = _mm256_setzero_ps();
     for (int64_t b = 0; b < p->groups; b++) {
         const int gi = (int)(b % G);
         const uint8_t* head = item + b / G * (HB + G * CB);
         const uint8_t* g = head + HB + gi * CB;
         const XBlock* xs = p->xq + b * p->m + i0;
         __m256i s[MT2], s16[MT2];
-        // one code register at a time against the M rows: the M sums, not 8 code registers, stay live
+        // one code register (per half) at a time against the M rows: the sums, not 8 code registers, stay live
 #pragma GCC unroll 8
         for (int k = 0; k < NW; k++) {
-            __m256i w;
-            if (NIB) {
-                const __m256i v = _mm256_loadu_si256((const __m256i*)(g + 64 * (k % 4) + 32 * h));
-                w = _mm256_and_si256(k < 4 ? v : _mm256_srli_epi16(v, 4), low4);
-            } else {
-                w = _mm256_loadu_si256((const __m256i*)(g + 64 * k + 32 * h));
-                if (SIGNED) w = _mm256_xor_si256(w, flip);  // the code − 128: Q8_0's own q
+            __m256i w[2], wabs[2];
+            for (int hh = 0; hh < H; hh++) {
+                const int h = h0 + hh;
+                if (NIB) {
+                    const __m256i v = _mm256_loadu_si256((const __m256i*)(g + 64 * (k % 4) + 32 * h));
+                    w[hh] = _mm256_and_si256(k < 4 ? v : _mm256_srli_epi16(v, 4), low4);
+                } else {
+                    w[hh] = _mm256_loadu_si256((const __m256i*)(g + 64 * k + 32 * h));
+                    if (SIGNED) w[hh] = _mm256_xor_si256(w[hh], flip);  // the code − 128: Q8_0's own q
+                }
+                wabs[hh] = SIGNED ? _mm256_abs_epi8(w[hh]) : w[hh];
             }
-            const __m256i wabs = SIGNED ? _mm256_abs_epi8(w) : w;
 #pragma GCC unroll 4
-            for (int i = 0; i < M; i++) {
+            for (int u = 0; u < U; u++) {
+                const int i = u % M, hh = u / M;
                 const __m256i xv = _mm256_set1_epi32(xs[i].q[k]);
-                const __m256i prod = SIGNED ? _mm256_maddubs_epi16(wabs, _mm256_sign_epi8(xv, w))
-                                            : _mm256_maddubs_epi16(w, xv);
-                s16[i] = k % K16 ? _mm256_add_epi16(s16[i], prod) : prod;
+                const __m256i prod = SIGNED ? _mm256_maddubs_epi16(wabs[hh], _mm256_sign_epi8(xv, w[hh]))
+                                            : _mm256_maddubs_epi16(w[hh], xv);
+                s16[u] = k % K16 ? _mm256_add_epi16(s16[u], prod) : prod;
                 if (k % K16 == K16 - 1 || k == NW - 1) {  // the 16-bit sums into 32 bits, from −off·sum(q)
-                    const __m256i part = _mm256_madd_epi16(s16[i], ones);
-                    s[i] = k >= K16 ? _mm256_add_epi32(s[i], part)
+                    const __m256i part = _mm256_madd_epi16(s16[u], ones);
+                    s[u] = k >= K16 ? _mm256_add_epi32(s[u], part)
                            : SIGNED ? part : _mm256_add_epi32(_mm256_set1_epi32(xs[i].neg_off), part);
                 }
             }
             // in this order: GCC would otherwise hoist every load and product above the sums and spill them
-            for (int i = 0; i < M; i++) __asm__ volatile("" : "+x"(s16[i]));
+            for (int u = 0; u < U; u++) __asm__ volatile("" : "+x"(s16[u]));
             __asm__ volatile("" ::: "memory");
         }
-        __m256 scale, min = _mm256_setzero_ps();  // the half's 8 scales (and mins): lane_scale's numbers
-        if (KQ) {
-            const float* d = (const float*)(head + LANES * G * (1 + MIN)) + 8 * h;
-            scale = int8_times8(head + LANES * gi + 8 * h, d);
-            if (MIN) min = int8_times8(head + LANES * (G + gi) + 8 * h, d + LANES);
-        } else {
-            scale = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(head + 2 * LANES * gi + 16 * h)));
-            if (MIN) min = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(head + 2 * LANES * (G + gi) + 16 * h)));
-        }
+        for (int hh = 0; hh < H; hh++) {
+            const int h = h0 + hh;
+            __m256 scale, min = _mm256_setzero_ps();  // the half's 8 scales (and mins): lane_scale's numbers
+            if (KQ) {
+                const float* d = (const float*)(head + LANES * G * (1 + MIN)) + 8 * h;
+                scale = int8_times8(head + LANES * gi + 8 * h, d);
+                if (MIN) min = int8_times8(head + LANES * (G + gi) + 8 * h, d + LANES);
+            } else {
+                scale = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(head + 2 * LANES * gi + 16 * h)));
+                if (MIN) min = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(head + 2 * LANES * (G + gi) + 16 * h)));
+            }
 #pragma GCC unroll 4
-        for (int i = 0; i < M; i++) {
-            a[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[i]), _mm256_mul_ps(scale, _mm256_set1_ps(xs[i].dx)), a[i]);
-            if (MIN) a[i] = _mm256_fmadd_ps(min, _mm256_set1_ps(xs[i].dx_sum), a[i]);
+            for (int i = 0; i < M; i++) {
+                const int u = hh * M + i;
+                a[u] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[u]), _mm256_mul_ps(scale, _mm256_set1_ps(xs[i].dx)), a[u]);
+                if (MIN) a[u] = _mm256_fmadd_ps(min, _mm256_set1_ps(xs[i].dx_sum), a[u]);
+            }
         }
     }
-    for (int i = 0; i < M; i++) acc[i] = a[i];
+    for (int u = 0; u < U; u++) acc[u] = a[u];
 }
 
-// h: the half (rows 8h .. 8h + 7); the layout's constants as literals, so that everything stays in registers
-#define HALF_ROWS(M)                                                                               \
-    static void half_rows_##M(const Product* p, const uint8_t* item, int64_t i0, int h, __m256* acc) { \
-        const Layout* l = &p->l;                                                                   \
-        if (l->nibble && l->kq) half_rows(p, item, i0, M, h, 1, 8, 1, 1, 0, 8, acc);               \
-        else if (l->nibble && l->has_min) half_rows(p, item, i0, M, h, 1, 8, 1, 0, 0, 8, acc);     \
-        else if (l->nibble) half_rows(p, item, i0, M, h, 1, 8, 0, 0, 0, 8, acc);                   \
-        else if (l->S == 16) half_rows(p, item, i0, M, h, 0, 4, 0, 1, 0, 2, acc);                  \
-        else if (l->off == 128) half_rows(p, item, i0, M, h, 0, 8, 0, 0, 1, 1, acc);               \
-        else if (l->has_min) half_rows(p, item, i0, M, h, 0, 8, 1, 1, 0, 4, acc);                  \
-        else half_rows(p, item, i0, M, h, 0, 8, 0, 0, 0, 4, acc);                                  \
+// M rows against H halves from h0 (rows 8h .. 8h + 7 of the item); acc[hh·M + i]: row i, half h0 + hh. The
+// layout's constants as literals, so that everything stays in registers.
+#define HALF_ROWS(NAME, M, H)                                                                               \
+    static void NAME(const Product* p, const uint8_t* item, int64_t i0, int h0, __m256* acc) {               \
+        const Layout* l = &p->l;                                                                            \
+        if (l->nibble && l->kq) half_rows(p, item, i0, M, H, h0, 1, 8, 1, 1, 0, 8, acc);                    \
+        else if (l->nibble && l->has_min) half_rows(p, item, i0, M, H, h0, 1, 8, 1, 0, 0, 8, acc);          \
+        else if (l->nibble) half_rows(p, item, i0, M, H, h0, 1, 8, 0, 0, 0, 8, acc);                        \
+        else if (l->S == 16) half_rows(p, item, i0, M, H, h0, 0, 4, 0, 1, 0, 2, acc);                       \
+        else if (l->off == 128) half_rows(p, item, i0, M, H, h0, 0, 8, 0, 0, 1, 1, acc);                    \
+        else if (l->has_min) half_rows(p, item, i0, M, H, h0, 0, 8, 1, 1, 0, 4, acc);                       \
+        else half_rows(p, item, i0, M, H, h0, 0, 8, 0, 0, 0, 4, acc);                                       \
     }
-HALF_ROWS(1)
-HALF_ROWS(2)
-HALF_ROWS(3)
-HALF_ROWS(4)
-static void (*const HALF_ROWS_OF[MT2])(const Product*, const uint8_t*, int64_t, int, __m256*) = {
-    half_rows_1, half_rows_2, half_rows_3, half_rows_4};
+HALF_ROWS(half_rows_1, 1, 1)
+HALF_ROWS(half_rows_2, 2, 1)
+HALF_ROWS(half_rows_3, 3, 1)
+HALF_ROWS(half_rows_4, 4, 1)
+HALF_ROWS(both_halves_1, 1, 2)
+HALF_ROWS(both_halves_2, 2, 2)
+typedef void (*HalfRows)(const Product*, const uint8_t*, int64_t, int, __m256*);
+static const HalfRows HALF_ROWS_OF[MT2] = {half_rows_1, half_rows_2, half_rows_3, half_rows_4};
+// Up to 2 rows, both halves in one pass: each line of codes is used whole when it arrives, so that the
+// one-row products of a decode step stream from memory without a second pass over every item.
+static const HalfRows BOTH_HALVES_OF[2] = {both_halves_1, both_halves_2};
 
 static void items(void* ctx, uint32_t begin, uint32_t end) {
     const Product* p = ctx;
@@ -546,18 +561,19 @@ static void items(void* ctx, uint32_t begin, uint32_t end) {
         const int64_t o0 = it * LANES;
         const int rows = p->out - o0 >= LANES ? LANES : (int)(p->out - o0);
         for (int64_t i = 0; i < p->m; i += MT2) {
-            const int M = p->m - i < MT2 ? (int)(p->m - i) : MT2;
-            for (int h = 0; h < 2 && 8 * h < rows; h++) {
+            const int M = p->m - i < MT2 ? (int)(p->m - i) : MT2, H = M <= 2 && rows > 8 ? 2 : 1;
+            for (int h0 = 0; h0 < 2 && 8 * h0 < rows; h0 += H) {
                 __m256 acc[MT2];
-                HALF_ROWS_OF[M - 1](p, p->w + it * ib, i, h, acc);
-                for (int k = 0; k < M; k++) {
-                    float* y = p->y + (i + k) * p->ldy + o0 + 8 * h;
+                (H == 2 ? BOTH_HALVES_OF : HALF_ROWS_OF)[M - 1](p, p->w + it * ib, i, h0, acc);
+                for (int u = 0; u < M * H; u++) {
+                    const int h = h0 + u / M;
+                    float* y = p->y + (i + u % M) * p->ldy + o0 + 8 * h;
                     if (rows >= 8 * h + 8) {
-                        _mm256_storeu_ps(y, acc[k]);
+                        _mm256_storeu_ps(y, acc[u]);
                         continue;
                     }
                     float lanes[8];  // the matrix's last item: only its rows
-                    _mm256_storeu_ps(lanes, acc[k]);
+                    _mm256_storeu_ps(lanes, acc[u]);
                     for (int r = 0; r < rows - 8 * h; r++) y[r] = lanes[r];
                 }
             }
