@@ -51,15 +51,16 @@ class Oracle:
 
         if self._model is not None:
             return self._model
-        if (self.saved / "model.safetensors").exists() and not self.fresh:
-            config = transformers.AutoConfig.from_pretrained(str(self.saved))
+        kept = self.saved / "model"
+        if (kept / "model.safetensors").exists() and not self.fresh:
+            config = transformers.AutoConfig.from_pretrained(str(kept))
             model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-            safetensors.torch.load_model(model, str(self.saved / "model.safetensors"))
+            safetensors.torch.load_model(model, str(kept / "model.safetensors"))
         else:
             model = transformers.AutoModelForCausalLM.from_pretrained(
                 str(self.path.parent), gguf_file=self.path.name, dtype=torch.float32)  # fmt: skip
-            self._keep("", lambda d: (model.config.to_json_file(str(d / "config.json")),
-                                      safetensors.torch.save_model(model, str(d / "model.safetensors"))))  # fmt: skip
+            self._keep("model", lambda d: (model.config.to_json_file(str(d / "config.json")),
+                                           safetensors.torch.save_model(model, str(d / "model.safetensors"))))  # fmt: skip
         self._model = model.eval()
         return self._model
 
@@ -96,22 +97,16 @@ class Oracle:
         return tokens
 
     def _keep(self, name: str, write) -> None:
-        """Write one kept part (the model's files at the top, or a named folder) whole or not at all."""
+        """Write one kept folder (the model, the tokenizer) whole or not at all."""
         import shutil
 
-        target = self.saved / name if name else self.saved
+        target = self.saved / name
         partial = target.with_name(target.name + ".partial")
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
         write(partial)
-        if name:
-            shutil.rmtree(target, ignore_errors=True)
-            partial.rename(target)
-            return
-        self.saved.mkdir(parents=True, exist_ok=True)
-        for f in sorted(partial.iterdir(), key=lambda f: f.suffix == ".safetensors"):  # the weights last: the mark
-            f.replace(self.saved / f.name)
-        partial.rmdir()
+        shutil.rmtree(target, ignore_errors=True)
+        partial.rename(target)
 
 
 @pytest.fixture(scope="session")

@@ -75,12 +75,15 @@ static int layout(int fmt, Layout* l) {
 // One group's codes: 16 rows of S codes, as 4-bit or 8-bit
 static int64_t code_bytes(const Layout* l) { return LANES * (l->nibble ? l->S / 2 : l->S); }
 
-// A super-block's head. K-quants: sc int8 [G][16], (mins) m int8 [G][16], d float [16], (mins) −dmin
-// float [16]. The others: scales float16 [G][16], (mins) mins float16 [G][16].
-static int64_t head_bytes(const Layout* l) {
-    const int parts = 1 + l->has_min;
-    return l->kq ? parts * (LANES * l->G + LANES * 4) : parts * LANES * 2 * l->G;
-}
+// A super-block's head (G groups; MIN: with mins; KQ: K-quant). K-quants: sc int8 [G][16], (mins) m int8
+// [G][16], d float [16], (mins) −dmin float [16]. The others: scales float16 [G][16], (mins) mins
+// float16 [G][16]. Byte offsets, shared by the repacking and every kernel:
+#define HEAD_BYTES(KQ, G, MIN) ((1 + (MIN)) * LANES * ((KQ) ? (G) + 4 : 2 * (G)))
+#define SCALE_AT(KQ, gi) ((KQ) ? LANES * (gi) : 2 * LANES * (gi))  // group gi's 16 scales
+#define MIN_AT(KQ, G, gi) SCALE_AT(KQ, (G) + (gi))                 // group gi's 16 mins
+#define D_AT(G, MIN) (LANES * (G) * (1 + (MIN)))                   // (K-quants) 16 d, then 16 −dmin
+
+static int64_t head_bytes(const Layout* l) { return HEAD_BYTES(l->kq, l->G, l->has_min); }
 
 static int64_t super_bytes(const Layout* l) { return head_bytes(l) + l->G * code_bytes(l); }
 
@@ -178,9 +181,9 @@ static const uint8_t* group_head(const Layout* l, const uint8_t* item, int64_t b
 }
 
 // The head's parts: each group's scales (and mins) for 16 lanes, and (K-quants) the block's d and −dmin
-static int64_t scale_at(const Layout* l, int gi) { return l->kq ? LANES * gi : 2 * LANES * gi; }
-static int64_t min_at(const Layout* l, int gi) { return (l->kq ? LANES : 2 * LANES) * (l->G + gi); }
-static int64_t d_at(const Layout* l) { return LANES * l->G * (1 + l->has_min); }
+static int64_t scale_at(const Layout* l, int gi) { return SCALE_AT(l->kq, gi); }
+static int64_t min_at(const Layout* l, int gi) { return MIN_AT(l->kq, l->G, gi); }
+static int64_t d_at(const Layout* l) { return D_AT(l->G, l->has_min); }
 
 // Lane r's scale and min of group gi, as the vector kernels compute them: d·sc and −dmin·m (exact in
 // float32), or the float16 as a float
@@ -353,8 +356,6 @@ typedef struct {
 // A kernel's layout as constants (NIB: 4-bit codes; NW: code registers per group, 4 or 8; MIN; KQ: integer
 // scales), so that finding group b is shifts and adds: its super-block, its place there, its codes.
 #define GROUPS_PER_SUPER(NIB, NW, KQ) ((KQ) ? (!(NIB) && (NW) == 4 ? 16 : 8) : 2)
-#define HEAD_BYTES(NIB, NW, MIN, KQ) \
-    ((1 + (MIN)) * LANES * ((KQ) ? GROUPS_PER_SUPER(NIB, NW, KQ) + 4 : 2 * GROUPS_PER_SUPER(NIB, NW, KQ)))
 #define CODE_BYTES(NIB, NW) (64 * ((NIB) ? (NW) / 2 : (NW)))
 
 #if defined(VNNI)
@@ -369,7 +370,7 @@ static inline __m512 int8_times16(const uint8_t* sc, const float* d) {  // 16 in
 static inline __attribute__((always_inline)) void item_rows(const Product* p, const uint8_t* item, int64_t i0,
                                                             const int M, const int NIB, const int NW, const int MIN,
                                                             const int KQ, __m512* acc) {
-    const int G = GROUPS_PER_SUPER(NIB, NW, KQ), HB = HEAD_BYTES(NIB, NW, MIN, KQ), CB = CODE_BYTES(NIB, NW);
+    const int G = GROUPS_PER_SUPER(NIB, NW, KQ), HB = HEAD_BYTES(KQ, G, MIN), CB = CODE_BYTES(NIB, NW);
     const __m512i low4 = _mm512_set1_epi8(15);
     for (int i = 0; i < M; i++) acc[i] = _mm512_setzero_ps();
     for (int64_t b = 0; b < p->groups; b++) {
@@ -394,12 +395,12 @@ static inline __attribute__((always_inline)) void item_rows(const Product* p, co
             for (int i = 0; i < M; i++) s[i] = _mm512_dpbusd_epi32(s[i], w[k], _mm512_set1_epi32(xs[i].q[k]));
         __m512 scale, min = _mm512_setzero_ps();  // the 16 lanes' scales (and mins): lane_scale's numbers
         if (KQ) {
-            const float* d = (const float*)(head + LANES * G * (1 + MIN));
-            scale = int8_times16(head + LANES * gi, d);
-            if (MIN) min = int8_times16(head + LANES * (G + gi), d + LANES);
+            const float* d = (const float*)(head + D_AT(G, MIN));
+            scale = int8_times16(head + SCALE_AT(KQ, gi), d);
+            if (MIN) min = int8_times16(head + MIN_AT(KQ, G, gi), d + LANES);
         } else {
-            scale = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(head + 2 * LANES * gi)));
-            if (MIN) min = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(head + 2 * LANES * (G + gi))));
+            scale = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(head + SCALE_AT(KQ, gi))));
+            if (MIN) min = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(head + MIN_AT(KQ, G, gi))));
         }
 #pragma GCC unroll 8
         for (int i = 0; i < M; i++) {
@@ -464,7 +465,7 @@ static inline __attribute__((always_inline)) void half_rows(const Product* p, co
                                                             const int M, const int H, int h0, const int NIB,
                                                             const int NW, const int MIN, const int KQ,
                                                             const int SIGNED, const int K16, __m256* acc) {
-    const int G = GROUPS_PER_SUPER(NIB, NW, KQ), HB = HEAD_BYTES(NIB, NW, MIN, KQ), CB = CODE_BYTES(NIB, NW);
+    const int G = GROUPS_PER_SUPER(NIB, NW, KQ), HB = HEAD_BYTES(KQ, G, MIN), CB = CODE_BYTES(NIB, NW);
     const int U = M * H;  // (half, row) pairs: pair u is row u % M of half h0 + u / M
     const __m256i low4 = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8((char)0x80);
     __m256 a[MT2];  // in registers: acc is memory the code loads could alias
@@ -511,12 +512,12 @@ static inline __attribute__((always_inline)) void half_rows(const Product* p, co
             const int h = h0 + hh;
             __m256 scale, min = _mm256_setzero_ps();  // the half's 8 scales (and mins): lane_scale's numbers
             if (KQ) {
-                const float* d = (const float*)(head + LANES * G * (1 + MIN)) + 8 * h;
-                scale = int8_times8(head + LANES * gi + 8 * h, d);
-                if (MIN) min = int8_times8(head + LANES * (G + gi) + 8 * h, d + LANES);
+                const float* d = (const float*)(head + D_AT(G, MIN)) + 8 * h;
+                scale = int8_times8(head + SCALE_AT(KQ, gi) + 8 * h, d);
+                if (MIN) min = int8_times8(head + MIN_AT(KQ, G, gi) + 8 * h, d + LANES);
             } else {
-                scale = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(head + 2 * LANES * gi + 16 * h)));
-                if (MIN) min = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(head + 2 * LANES * (G + gi) + 16 * h)));
+                scale = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(head + SCALE_AT(KQ, gi) + 16 * h)));
+                if (MIN) min = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(head + MIN_AT(KQ, G, gi) + 16 * h)));
             }
 #pragma GCC unroll 4
             for (int i = 0; i < M; i++) {
