@@ -6,7 +6,7 @@ directly. Checked here:
     very floats `decode` gives, for every format (awkward values included: zeros, ties, halves);
   - its fast Walsh–Hadamard transform is x · H (H the normalised Sylvester matrix, by matmul), and
     the very bits of kv/formats.py's `hadamard`;
-  - one decode step from the same cache, fused and through the model's modules: logits within 1e-5,
+  - one decode step from the same cache, fused and through the model's modules: logits within 3e-5,
     and the new token's codes and scales written into layer 0 byte for byte the module path's, for
     each format, mixed K/V formats, rotation off, on and auto (K and V rotated apart);
   - past 128 keys (attention in chunks, merged): the same, and the same bits at 1 and 2 threads;
@@ -166,12 +166,15 @@ ROTATIONS = ["off", "on", "auto"]  # auto: q8_0 / q4_0 sides rotated, fp8_e4m3 a
 
 def compare_steps(engine: LLMEngine, batch: list[list[int]], max_tokens: int, monkeypatch) -> int:
     """Serve `batch`, running each decode step twice from the same cache: fused, then (the cache
-    restored) by the modules. Logits within 1e-5, and layer 0's new K/V codes and scales the same
+    restored) by the modules. Logits within 3e-5, and layer 0's new K/V codes and scales the same
     bytes (its k and v are the same bits on both paths, and so is the rotation). Returns the steps
     compared."""
     driver, cache = engine.runner.driver, engine.cache
     run, compared = driver.run, []
-    tolerance = 1e-5  # the gated activations are one C function on both paths (gemv.c's kvlab_gated_act_f32)
+    # the gated activations are one C function on both paths (gemv.c's kvlab_gated_act_f32); the rest sums in
+    # other orders: up to 1.5e-5 on an AVX-512 machine, where PyTorch's kernels take 16 lanes (tiny Gemma,
+    # fp8_e4m3 K and V; measured), under 1e-5 on AVX2 ones. A wrong step differs by 1e-2 and more.
+    tolerance = 3e-5
 
     def both(input_ids, kv, meta=None, logits_index=None):
         before = [t.clone() for t in cache.tensors()]
@@ -218,18 +221,22 @@ def long_prompts() -> list[list[int]]:
 @pytest.mark.parametrize("k,v", [("q8_0", "q4_0"), ("float32", "float32")], ids=["K-q8_0-V-q4_0", "float32"])
 def test_keys_in_several_chunks_merge_as_one_softmax(model, k, v, monkeypatch):
     """Past 128 keys attention is split in chunks merged afterwards: still the modules' logits, and
-    the same bits at one thread and at two (the chunks do not depend on the threads)."""
+    the same bits at one thread, at two and at sixteen (the chunks do not depend on the threads; at one
+    and two threads an item takes every kv head of its (sequence, chunk), at sixteen one kv head's
+    group of query heads: each head's numbers are its own)."""
     engine = engine_for(model, k, v, "auto", fused=True)
     assert compare_steps(engine, long_prompts(), 8, monkeypatch) >= 7
     logits = {}
-    for threads in (1, 2):
+    for threads in (1, 2, 16):
         engine = engine_for(model, k, v, "auto", fused=True)
         engine.runner.driver.policy.threads = threads
         record, forward = [], engine.runner.forward
         engine.runner.forward = lambda inputs: record.append(forward(inputs).clone()) or record[-1]
         logits[threads] = (serve(engine, long_prompts(), max_tokens=6), record)
-    assert logits[1][0] == logits[2][0]
-    assert all(torch.equal(a, b) for a, b in zip(logits[1][1], logits[2][1]))
+    for threads in (2, 16):
+        assert logits[1][0] == logits[threads][0]
+        assert len(logits[1][1]) == len(logits[threads][1]) > 0
+        assert all(torch.equal(a, b) for a, b in zip(logits[1][1], logits[threads][1]))
 
 
 @pytest.mark.parametrize("rotation", ["off", "on"])

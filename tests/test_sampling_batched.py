@@ -14,7 +14,7 @@ from kvlab.sampling.draw import SLACK, draw, filtered_probabilities
 from kvlab.sampling.logprobs import token_logprobs
 from kvlab.sampling.params import SamplingParams, StructuredOutputs
 from kvlab.sampling.penalties import penalize
-from kvlab.sampling.sampler import BatchSampler, choice_seed
+from kvlab.sampling.sampler import BatchSampler, choice_seed, greedy_tokens
 
 
 class Row:
@@ -154,3 +154,20 @@ def test_structured_outputs_take_exactly_one_form():
     with pytest.raises(KvlabError, match="exactly one"):
         StructuredOutputs(regex="a", choice=["b"])
     assert StructuredOutputs(choice=["a", "b"]).choice == ("a", "b")
+
+
+def test_greedy_tokens_are_argmax_ties_nan_and_infinities_included():
+    """The greedy fast path's `max(...).indices` picks what `argmax` picks: the first of tied largest
+    logits, a NaN over any number, a row of -inf's first index; on random rows with many ties too."""
+    x = torch.zeros(5, 49152)
+    x[0, 100] = x[0, 40000] = 5.0
+    x[1, 7] = x[1, 9] = float("nan")
+    x[1, 3] = 1e30
+    x[2] = -float("inf")
+    x[3, 49151] = x[3, 5] = 2.0
+    x[4, 1] = float("inf")
+    assert greedy_tokens(x).tolist() == x.argmax(dim=-1).tolist() == [100, 7, 0, 5, 1]
+    g = torch.Generator().manual_seed(0)
+    for rows, cols in ((1, 49152), (16, 49152), (3, 1000)):
+        y = torch.randint(-3, 3, (rows, cols), generator=g).float()  # ties everywhere
+        assert torch.equal(greedy_tokens(y), y.argmax(dim=-1))

@@ -6,14 +6,17 @@
 #include "step.h"
 #include "pool.h"
 
-// ---- attention: one work item per (sequence, chunk of keys, query heads of one kv head) -------
+// ---- attention: one work item per (sequence, chunk of keys, kv heads) -----------------------
 //
 // A kv head's group of query heads share its keys and values: each cached row is decoded once and
-// used by the heads of the item (all of its group, or a part of it where a short context leaves too
-// few items for the threads: each head's numbers are its own, so any split gives the same bits). Per
-// chunk: scores first (q · k / sqrt(D) for each key), then each head's softmax over the chunk (relative
-// to the chunk's largest score), then the weighted sum of the values. `merge` then combines the chunks
-// of each head, exactly as one softmax over all keys.
+// used by every query head of the item that reads it. Where the (sequence, chunk) pairs alone give each
+// thread a few items, an item takes all the kv heads: the cache keeps a token's kv heads side by side,
+// so the item reads each token's row whole, in order, and the prefetcher's lines are all used. Where
+// they are too few (one sequence, a short context), an item takes one kv head's group of query heads,
+// or a part of it (each head's numbers are its own, so any split gives the same bits). Per chunk:
+// scores first (q · k · scale for each key), then each head's softmax over the chunk (relative to the
+// chunk's largest score), then the weighted sum of the values. `merge` then combines the chunks of
+// each head, exactly as one softmax over all keys.
 
 typedef struct {
     const Layer* layer;
@@ -23,8 +26,8 @@ typedef struct {
     float* scores;     // [B · H, max_keys]
     float* partial;    // [B, chunks, H, D + 2]: per chunk and head, its max score, sum of weights, Σ weight · v
     int64_t chunks;    // chunks per sequence (num_chunks(max_keys))
-    int64_t parts;     // items per (sequence, chunk): kv heads × parts of each group of query heads
-    int64_t per_part;  // query heads an item takes
+    int64_t parts;     // items per (sequence, chunk): 1 (every kv head), or kv heads × parts of each group
+    int64_t per_part;  // query heads an item takes of a group (all of it with parts = 1)
 } Attend;
 
 // a · b over D floats
@@ -80,6 +83,21 @@ static inline v8f exp8(v8f x) {
     return (v8f)((v8i)exp_normal8(x) & keep);  // x ≥ -64 here: 2^n a normal float
 }
 
+// The kv heads g0 .. g1 − 1 of an item, and of each the query heads it takes: [lo_h(g), hi_h(g))
+typedef struct {
+    int64_t g0, g1, first, count;  // with one kv head: query heads first .. first + count − 1 of its group
+} Heads;
+
+static inline int64_t heads_lo(const Heads* r, int64_t g, int64_t group) { return r->g1 - r->g0 == 1 ? r->first : g * group; }
+static inline int64_t heads_hi(const Heads* r, int64_t g, int64_t group) {
+    return r->g1 - r->g0 == 1 ? r->first + r->count : (g + 1) * group;
+}
+
+// the rows of kv heads g0 .. g1 − 1 of cache slot `slot`, on their way to L1
+static inline void prefetch_heads(const KVStore* s, int64_t slot, int64_t Hkv, const Heads* r, int64_t D) {
+    for (int64_t g = r->g0; g < r->g1; g++) prefetch_vector(s, slot * Hkv + g, D);
+}
+
 static void attend_items(void* ctx, uint32_t begin, uint32_t end) {
     const Attend* a = ctx;
     const Layer* L = a->layer;
@@ -88,12 +106,15 @@ static void attend_items(void* ctx, uint32_t begin, uint32_t end) {
     const int64_t qkv_row = (H + 2 * Hkv) * D, bs = S->block_size, stride = S->max_keys;
     const float scale = L->qk_scale;
     float kbuf[MAX_HEAD_DIM], vbuf[MAX_HEAD_DIM], kbuf8[8 * MAX_HEAD_DIM];
-    const int64_t split = a->parts / Hkv;  // parts of a group
+    const int64_t split = a->parts > 1 ? a->parts / Hkv : 1;  // parts of a group
     for (uint32_t item = begin; item < end; item++) {
         const int64_t part = item % a->parts, seq_chunk = item / a->parts;
         const int64_t b = seq_chunk / a->chunks, c = seq_chunk % a->chunks, n = S->num_keys[b], first = S->first_key[b];
-        const int64_t g = part / split, h0 = g * group + part % split * a->per_part;  // kv head g, heads h0 ..
-        const int64_t h1 = h0 + a->per_part < (g + 1) * group ? h0 + a->per_part : (g + 1) * group;
+        Heads r = {0, Hkv, 0, group};  // every kv head (with one, its whole group through first, count)
+        if (a->parts > 1) {  // kv head g, query heads first .. of its group
+            const int64_t g = part / split, h0 = g * group + part % split * a->per_part;
+            r = (Heads){g, g + 1, h0, (h0 + a->per_part < (g + 1) * group ? h0 + a->per_part : (g + 1) * group) - h0};
+        }
         const int64_t start = c * CHUNK_KEYS, hi = start + CHUNK_KEYS < n ? start + CHUNK_KEYS : n;
         if (start >= n || hi <= first) continue;  // past this sequence's keys, or before its window (merge skips it)
         const int64_t lo = start > first ? start : first;  // a window may begin inside the chunk
@@ -108,76 +129,79 @@ static void attend_items(void* ctx, uint32_t begin, uint32_t end) {
         if (D % 8 == 0)
             for (; t + 8 <= hi; t += 8) {
                 int64_t slots[8];
-                for (int r = 0; r < 8; r++) slots[r] = slot_of(table, t + r, bs);
-                const int64_t ahead = t + 8 + PREFETCH_AHEAD < hi ? t + 8 + PREFETCH_AHEAD : -1;
-                if (ahead >= 0)
-                    for (int r = 0; r < 8; r++)
-                        prefetch_vector(&S->k, slot_of(table, ahead + r, bs) * Hkv + g, D);
-                const float* k[8];
-                for (int r = 0; r < 8; r++) k[r] = decode_vector(&S->k, slots[r] * Hkv + g, D, kbuf8 + r * D);
-                for (int64_t h = h0; h < h1; h++)
-                    store8(scores + h * stride + t, dot8(q + h * D, k, D) * scale);
+                for (int j = 0; j < 8; j++) slots[j] = slot_of(table, t + j, bs);
+                if (t + 8 + PREFETCH_AHEAD < hi)
+                    for (int j = 0; j < 8; j++) prefetch_heads(&S->k, slot_of(table, t + 8 + PREFETCH_AHEAD + j, bs), Hkv, &r, D);
+                for (int64_t g = r.g0; g < r.g1; g++) {
+                    const float* k[8];
+                    for (int j = 0; j < 8; j++) k[j] = decode_vector(&S->k, slots[j] * Hkv + g, D, kbuf8 + j * D);
+                    for (int64_t h = heads_lo(&r, g, group); h < heads_hi(&r, g, group); h++)
+                        store8(scores + h * stride + t, dot8(q + h * D, k, D) * scale);
+                }
             }
         for (; t < hi; t++) {
-            const int64_t slot = slot_of(table, t, bs), ahead = t + PREFETCH_AHEAD;
-            const int64_t slot_ahead = ahead < hi ? slot_of(table, ahead, bs) : -1;
-            if (slot_ahead >= 0) prefetch_vector(&S->k, slot_ahead * Hkv + g, D);
-            const float* k = decode_vector(&S->k, slot * Hkv + g, D, kbuf);
-            for (int64_t h = h0; h < h1; h++)
-                scores[h * stride + t] = dot(q + h * D, k, D) * scale;
+            const int64_t slot = slot_of(table, t, bs);
+            if (t + PREFETCH_AHEAD < hi) prefetch_heads(&S->k, slot_of(table, t + PREFETCH_AHEAD, bs), Hkv, &r, D);
+            for (int64_t g = r.g0; g < r.g1; g++) {
+                const float* k = decode_vector(&S->k, slot * Hkv + g, D, kbuf);
+                for (int64_t h = heads_lo(&r, g, group); h < heads_hi(&r, g, group); h++)
+                    scores[h * stride + t] = dot(q + h * D, k, D) * scale;
+            }
         }
         // each head's weights over the chunk, relative to the chunk's largest score
-        for (int64_t h = h0; h < h1; h++) {
-            float* s = scores + h * stride;
-            float top = -INFINITY, sum = 0.0f;
-            for (int64_t t = lo; t < hi; t++) top = s[t] > top ? s[t] : top;
-            int64_t t = lo;
-            v8f sums = {0};
-            for (; t + 8 <= hi; t += 8) {
-                const v8f e = exp8(load8(s + t) - top);
-                store8(s + t, e);
-                sums += e;
+        for (int64_t g = r.g0; g < r.g1; g++)
+            for (int64_t h = heads_lo(&r, g, group); h < heads_hi(&r, g, group); h++) {
+                float* s = scores + h * stride;
+                float top = -INFINITY, sum = 0.0f;
+                for (int64_t t = lo; t < hi; t++) top = s[t] > top ? s[t] : top;
+                int64_t t = lo;
+                v8f sums = {0};
+                for (; t + 8 <= hi; t += 8) {
+                    const v8f e = exp8(load8(s + t) - top);
+                    store8(s + t, e);
+                    sums += e;
+                }
+                sum = hsum8(sums);
+                for (; t < hi; t++) {
+                    s[t] = s[t] - top < NEGLIGIBLE ? 0.0f : expf(s[t] - top);
+                    sum += s[t];
+                }
+                float* part = partial + h * (D + 2);
+                part[0] = top;
+                part[1] = sum;
+                memset(part + 2, 0, D * sizeof(float));
             }
-            sum = hsum8(sums);
-            for (; t < hi; t++) {
-                s[t] = s[t] - top < NEGLIGIBLE ? 0.0f : expf(s[t] - top);
-                sum += s[t];
-            }
-            float* part = partial + h * (D + 2);
-            part[0] = top;
-            part[1] = sum;
-            memset(part + 2, 0, D * sizeof(float));
-        }
         // the weighted sum of the values: every value decoded once, added to each head of its group;
         // eight values at a time (each head's output read and written once per eight), then one by one
         t = lo;
         if (D % 8 == 0)
             for (; t + 8 <= hi; t += 8) {
                 int64_t slots[8];
-                for (int r = 0; r < 8; r++) slots[r] = slot_of(table, t + r, bs);
-                const int64_t ahead = t + 8 + PREFETCH_AHEAD < hi ? t + 8 + PREFETCH_AHEAD : -1;
-                if (ahead >= 0)
-                    for (int r = 0; r < 8; r++)
-                        prefetch_vector(&S->v, slot_of(table, ahead + r, bs) * Hkv + g, D);
-                const float* v[8];
-                for (int r = 0; r < 8; r++) v[r] = decode_vector(&S->v, slots[r] * Hkv + g, D, kbuf8 + r * D);
-                for (int64_t h = h0; h < h1; h++) {
-                    const float* p = scores + h * stride + t;
-                    float* o = partial + h * (D + 2) + 2;
-                    for (int64_t i = 0; i + 8 <= D; i += 8) {
-                        v8f acc = load8(o + i);
-                        for (int r = 0; r < 8; r++) acc += p[r] * load8(v[r] + i);
-                        store8(o + i, acc);
+                for (int j = 0; j < 8; j++) slots[j] = slot_of(table, t + j, bs);
+                if (t + 8 + PREFETCH_AHEAD < hi)
+                    for (int j = 0; j < 8; j++) prefetch_heads(&S->v, slot_of(table, t + 8 + PREFETCH_AHEAD + j, bs), Hkv, &r, D);
+                for (int64_t g = r.g0; g < r.g1; g++) {
+                    const float* v[8];
+                    for (int j = 0; j < 8; j++) v[j] = decode_vector(&S->v, slots[j] * Hkv + g, D, kbuf8 + j * D);
+                    for (int64_t h = heads_lo(&r, g, group); h < heads_hi(&r, g, group); h++) {
+                        const float* p = scores + h * stride + t;
+                        float* o = partial + h * (D + 2) + 2;
+                        for (int64_t i = 0; i + 8 <= D; i += 8) {
+                            v8f acc = load8(o + i);
+                            for (int j = 0; j < 8; j++) acc += p[j] * load8(v[j] + i);
+                            store8(o + i, acc);
+                        }
                     }
                 }
             }
         for (; t < hi; t++) {
-            const int64_t slot = slot_of(table, t, bs), ahead = t + PREFETCH_AHEAD;
-            const int64_t slot_ahead = ahead < hi ? slot_of(table, ahead, bs) : -1;
-            if (slot_ahead >= 0) prefetch_vector(&S->v, slot_ahead * Hkv + g, D);
-            const float* v = decode_vector(&S->v, slot * Hkv + g, D, vbuf);
-            for (int64_t h = h0; h < h1; h++)
-                axpy(partial + h * (D + 2) + 2, scores[h * stride + t], v, D);
+            const int64_t slot = slot_of(table, t, bs);
+            if (t + PREFETCH_AHEAD < hi) prefetch_heads(&S->v, slot_of(table, t + PREFETCH_AHEAD, bs), Hkv, &r, D);
+            for (int64_t g = r.g0; g < r.g1; g++) {
+                const float* v = decode_vector(&S->v, slot * Hkv + g, D, vbuf);
+                for (int64_t h = heads_lo(&r, g, group); h < heads_hi(&r, g, group); h++)
+                    axpy(partial + h * (D + 2) + 2, scores[h * stride + t], v, D);
+            }
         }
     }
 }
@@ -215,13 +239,18 @@ static void merge(const Attend* a) {
 
 void kvlab_decode_attention(const Layer* L, const Step* S, const float* qkv, float* out, float* scores, float* partial,
                             int threads) {
-    const int64_t chunks = num_chunks(S->max_keys), group = L->heads / L->kv_heads;
-    // each kv head's group of query heads split until the items give every thread two, or one head each
-    int64_t split = 1;
-    while (split < group && S->batch * chunks * L->kv_heads * split < 2 * threads) split++;
-    const int64_t per_part = (group + split - 1) / split;
-    split = (group + per_part - 1) / per_part;  // no part left empty
-    Attend a = {L, S, qkv, out, scores, partial, chunks, L->kv_heads * split, per_part};
-    kvlab_pool_run(attend_items, &a, (uint32_t)(S->batch * chunks * a.parts), 1, threads);
+    const int64_t chunks = num_chunks(S->max_keys), group = L->heads / L->kv_heads, pairs = S->batch * chunks;
+    // every kv head in one item where the (sequence, chunk) pairs give each thread a few; else each kv
+    // head's group of query heads split until the items give every thread two, or one head each
+    int64_t parts = 1, per_part = group;
+    if (pairs < 4 * threads) {
+        int64_t split = 1;
+        while (split < group && pairs * L->kv_heads * split < 2 * threads) split++;
+        per_part = (group + split - 1) / split;
+        split = (group + per_part - 1) / per_part;  // no part left empty
+        parts = L->kv_heads * split;
+    }
+    Attend a = {L, S, qkv, out, scores, partial, chunks, parts, per_part};
+    kvlab_pool_run(attend_items, &a, (uint32_t)(pairs * parts), 1, threads);
     merge(&a);
 }

@@ -48,7 +48,7 @@
 
 #define LANES 16  // output rows per item
 #define MTILE 8   // activation rows per pass over an item's groups
-#define CHUNK 4   // items claimed at a time
+#define CHUNK 4   // items claimed at a time at one activation row: fewer at more rows (claim_size)
 
 typedef struct {
     int S;        // values per sub-block (one group)
@@ -617,6 +617,10 @@ static void items(void* ctx, uint32_t begin, uint32_t end) {
 }
 #endif
 
+// Items a thread claims at a time: CHUNK one-row items' work, so that at a batch's rows, where an item
+// costs m times as much, the last claims do not leave one thread computing while the other waits
+static uint32_t claim_size(int64_t m) { return m >= CHUNK ? 1 : (uint32_t)(CHUNK / m); }
+
 // y[i, o] (row stride ldy), i < m, o < out: x [m, n] float32 quantized per sub-block, times the
 // interleaved matrix w (kvlab_i8_repack). Returns 0; −1 for a format without an interleaved form or n
 // not whole sub-blocks; −2 when no memory was left for the quantized activations.
@@ -629,7 +633,7 @@ int kvlab_i8_matmul(int fmt, const uint8_t* w, const float* x, float* y, int64_t
     if (!xq) return -2;
     quantize_rows(x, m, n, &l, xq);
     Product p = {l, w, xq, y, m, groups, ldy, out};
-    kvlab_pool_run(items, &p, (uint32_t)((out + LANES - 1) / LANES), CHUNK, threads);
+    kvlab_pool_run(items, &p, (uint32_t)((out + LANES - 1) / LANES), claim_size(m), threads);
     free(xq);
     return 0;
 }
@@ -667,7 +671,7 @@ int kvlab_i8_matmul_parts(int num, const int* fmt, const uint8_t* const* w, cons
         jobs.first[j + 1] = jobs.first[j] + (uint32_t)((out[j] + LANES - 1) / LANES);
         column += out[j];
     }
-    if (!status) kvlab_pool_run_jobs(&jobs, CHUNK, threads);
+    if (!status) kvlab_pool_run_jobs(&jobs, claim_size(m), threads);
     for (int j = 0; j < num; j++) free(xq[j]);
     return status;
 }
