@@ -537,14 +537,15 @@ typedef struct {
     __m512i codes, bits;  // the per-lane shifts to the unit's nibbles, the rotations of its high bits to bit 4
 } UnitShifts;
 
-static inline UnitShifts unit_shifts(int fmt, int u) {
+static inline __attribute__((always_inline)) UnitShifts unit_shifts(int fmt, int u) {
     UnitShifts k = {NIBBLE_SHIFT(u & 1), BIT4_ROTATION(u)};  // Q4_K, Q5_K: group u
     if (fmt == Q6_K) k.codes = NIBBLE_SHIFT((u % 4) >> 1), k.bits = BIT4_ROTATION(2 * (u % 4));
     return k;
 }
 
 // Unit u of a chunk starting at value c: weights c + 32u .. + 31 as two vectors (lane order, Q8_0 in order)
-static inline void decode(int fmt, const uint8_t* row, int64_t c, int u, const float* s, const UnitShifts* k, __m512* w) {
+static inline __attribute__((always_inline)) void decode(int fmt, const uint8_t* row, int64_t c, int u, const float* s,
+                                                          const UnitShifts* k, __m512* w) {
     const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     const __m512 sixteen = _mm512_set1_ps(16);
     const Format* f = &FORMATS[fmt];
