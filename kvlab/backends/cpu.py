@@ -7,7 +7,7 @@
 
 A decode step of a small model is a few hundred small operations; from Python each costs microseconds
 of dispatch, more than the 4-bit products take. The backend reads the model's modules once and
-describes every layer to decode.c (`LayerDesc`): Llama's and Qwen's two norms or Gemma's four (its
+describes every layer to decode.c (`LayerDesc`, cpu_layer.py): Llama's and Qwen's two norms or Gemma's four (its
 x̂ · (1 + w) as the weights 1 + w), q/k norms, the fused q/k/v product with its bias, the layer's own
 rotary table (Gemma 3's sliding layers), its sliding window and q·k scale, the SwiGLU or GeGLU MLP,
 each product a float matrix or the GGUF file's own blocks. Around the layers it does what the model's
@@ -31,26 +31,13 @@ with the layer's output as if the module had run.
 from __future__ import annotations
 
 import ctypes
-import math
 import weakref
 
 import torch
 
-from kvlab.backends.cpu_deltanet import describe_deltanet
-from kvlab.backends.cpu_linear import describe_linear
+from kvlab.backends.cpu_layer import describe_layer, is_attention
 from kvlab.kernels import gemv
-from kvlab.kernels.decode import (
-    MAX_HEAD_DIM,
-    KVStore,
-    LayerDesc,
-    LinearDesc,
-    ReduceDesc,
-    StepDesc,
-    activation_ids,
-    kv_format_ids,
-    library,
-    struct_mismatch,
-)
+from kvlab.kernels.decode import MAX_HEAD_DIM, KVStore, LayerDesc, StepDesc, kv_format_ids, library, struct_mismatch
 from kvlab.kernels.policy import ThreadPolicy
 from kvlab.kv.formats import unrotated
 from kvlab.kv.layout import window_start
@@ -67,7 +54,7 @@ class CpuDecodeBackend:
         self._checked: dict[int, str | None] = {}  # id(cache) → cache_reason, asked once per cache
         self._plan_of: tuple | None = None  # (a weak reference to the cache, its per-layer plan): see _plan
         self.kv_ids = kv_format_ids()  # decode.c's id of each KV storage format, asked once
-        self._attentions = [layer.attn for layer in model.layers if _is_attention(layer.attn)]
+        self._attentions = [layer.attn for layer in model.layers if is_attention(layer.attn)]
         attns = self._attentions or [None]
         c = model.config
         self.geometry = (c.hidden_size, max(getattr(a, "num_heads", 0) for a in attns),
@@ -95,7 +82,7 @@ class CpuDecodeBackend:
             return f"activations in {str(model.dtype).removeprefix('torch.')} (the C step computes in float32)"
         layers, keep = [], []
         for i, layer in enumerate(model.layers):
-            desc = _describe(model, layer, keep, lib)
+            desc = describe_layer(model, layer, keep)
             if isinstance(desc, str):
                 return f"layer {i}: {desc}"
             layers.append(desc)
@@ -287,139 +274,9 @@ def _cache_reason(cache) -> str | None:
     return None
 
 
-def _is_attention(mixer) -> bool:
-    """A softmax-attention mixer (kvlab.model.transformer.Attention), not a recurrent one."""
-    return hasattr(mixer, "qkv_proj")
-
-
 def _one_decode_segment(states, tokens: int) -> bool:
     """Whether a hybrid's pass is one batched decode segment over its rows in order (deltanet.c's step)."""
     if states is None or len(states.segments) != 1:
         return False
     seg = states.segments[0]
     return seg.kind == "decode" and seg.rows == tuple(range(tokens))
-
-
-# ---- the description of a layer, read from its modules --------------------------------------------
-
-
-def _describe(model, layer, keep: list, lib) -> LayerDesc | str:
-    """decode.c's description of one decoder layer, or why it cannot take it."""
-    from kvlab.model.attention import sdpa_attention
-    from kvlab.model.layers import GatedMLP
-    from kvlab.backends.cpu_moe import describe_moe
-    from kvlab.model.moe import MoEBlock
-    from kvlab.model.transformer import DecoderLayer, SandwichDecoderLayer
-
-    from kvlab.model.deltanet import GatedDeltaNet
-
-    attn, mlp, eps = layer.attn, layer.mlp, model.config.rms_norm_eps
-    deltanet = isinstance(attn, GatedDeltaNet)
-    if not deltanet and not _is_attention(attn):  # multi-head latent attention (kvlab.model.mla)
-        return f"its {type(attn).__name__} mixer is not one decode.c computes"
-    if not deltanet and attn.attend is not sdpa_attention:
-        return "the lab's materialized attention"
-    if not deltanet and attn.clip_qkv is not None:
-        return "q, k and v clamped (OLMoE's clip_qkv)"
-    activations = activation_ids()
-    moe_reduce = getattr(mlp, "inner", None)  # a tensor-parallel shard's experts, summed over the ranks
-    moe = isinstance(mlp, MoEBlock) or isinstance(moe_reduce, MoEBlock)
-    if not moe and (not isinstance(mlp, GatedMLP) or mlp.activation not in activations):
-        return f"its MLP is {type(mlp).__name__} (the C step runs {', '.join(activations)} gated MLPs and experts)"
-    if type(layer) is DecoderLayer:
-        norms = [layer.input_norm, layer.post_attn_norm, None, None]  # before attention, before the MLP
-    elif type(layer) is SandwichDecoderLayer:  # Gemma: each one's output normalised too
-        norms = [layer.input_norm, layer.pre_mlp_norm, layer.post_attn_norm, layer.post_mlp_norm]
-    else:
-        return f"a {type(layer).__name__}, not a layer decode.c computes"
-    norms += [None, None] if deltanet else [attn.q_norm, attn.k_norm]
-    weights = [_norm_weight(n, eps, keep) if n is not None else None for n in norms]
-    if any(isinstance(w, str) for w in weights):
-        return next(w for w in weights if isinstance(w, str))
-    # the all-reduce after o_proj and after the MLP (down_proj, or the whole mixture of experts)
-    reduce = _row_parallel(attn.out_proj if deltanet else attn.o_proj, mlp if moe else mlp.down_proj,
-                           model.config.hidden_size, keep)  # fmt: skip
-    if isinstance(reduce, str):
-        return reduce
-    if deltanet and reduce:
-        return "a tensor-parallel shard of a Gated DeltaNet layer"
-    mixer = [] if deltanet else [attn.qkv_proj, attn.o_proj]
-    if moe:
-        mlp = moe_reduce if moe_reduce is not None else mlp
-        products = mixer
-    else:
-        products = mixer + [mlp.gate_up_proj, mlp.down_proj]
-    parts = [describe_linear(getattr(m, "inner", m) if reduce else m) for m in products]  # a shard's own matrices
-    experts = describe_moe(mlp) if moe else None
-    recurrent = describe_deltanet(attn) if deltanet else None
-    gate = describe_linear(attn.gate_proj) if getattr(attn, "gate_proj", None) is not None else LinearDesc()
-    for p in parts + [experts, recurrent, gate]:
-        if isinstance(p, str):
-            return p
-    if deltanet:
-        parts = [LinearDesc(), LinearDesc()] + parts  # no q/k/v or o
-    if moe:
-        parts += [LinearDesc(), LinearDesc()]  # the dense gate/up and down: none
-    attn_norm, mlp_norm, attn_out, mlp_out, q_norm, k_norm = weights
-    heads, kv_heads, head_dim = (0, 0, 0) if deltanet else (attn.num_heads, attn.num_kv_heads, attn.head_dim)
-    scale = 0.0 if deltanet else attn.scale if attn.scale is not None else 1.0 / math.sqrt(head_dim)  # SDPA's default
-    activation = 0 if moe else activations[mlp.activation]
-    desc = LayerDesc(model.config.hidden_size, heads, kv_heads, head_dim, mlp.intermediate_size, eps, scale,
-                     activation, 0 if deltanet else attn.window or 0,
-                     attn_norm, mlp_norm, attn_out, mlp_out, q_norm, k_norm, *parts)  # fmt: skip
-    desc.gate = gate
-    if deltanet:
-        keep.append(recurrent)
-        desc.deltanet = ctypes.pointer(recurrent)
-    else:
-        desc.rotary_dim = model._rotary_of(attn.rope).cos.shape[-1]  # the table's width: head_dim, or partial rotary's
-        desc.qk_norm_whole = int(attn.qk_norm_whole)
-    if not deltanet and attn.sinks is not None:
-        sinks = attn.sinks.weight
-        if sinks.dtype != torch.float32 or not sinks.is_contiguous():
-            return "attention sinks not float32"
-        desc.sinks = sinks.data_ptr()
-    if experts is not None:
-        keep.append(experts)
-        desc.moe = ctypes.pointer(experts)
-    if reduce:
-        desc.reduce = ctypes.pointer(reduce[0])
-        desc._group = reduce[1]  # for the error a lost rank gives
-    return desc
-
-
-def _row_parallel(o_proj, down_proj, hidden: int, keep: list):
-    """A tensor-parallel shard's all-reduce as decode.c makes it (the group's shared-memory segment and
-    call counter) with its group; None for a whole model; or why the C step cannot sum over the ranks."""
-    from kvlab.parallel.layers import RowParallel
-    from kvlab.parallel.shm import CAPACITY_FLOATS
-
-    wrapped = [isinstance(m, RowParallel) for m in (o_proj, down_proj)]
-    if not any(wrapped):
-        return None
-    group = o_proj.group if wrapped[0] else down_proj.group
-    if not all(wrapped) or down_proj.group is not group:
-        return "a partly row-parallel layer"
-    shm = group.shm
-    if shm is None:
-        return "its all-reduce runs over gloo (ranks on several hosts, or KVLAB_SHM_ALLREDUCE=0)"
-    reduce = ReduceDesc(shm.address, shm.rank, shm.world, CAPACITY_FLOATS, shm.calls_address(), group.timeout_s)
-    keep.append(reduce)
-    return reduce, group
-
-
-def _norm_weight(norm, eps: float, keep: list[torch.Tensor]) -> int | str:
-    """The address of the float32 weights decode.c multiplies x̂ by: w, or Gemma's offset + w."""
-    from kvlab.model.layers import OffsetRMSNorm, RMSNorm
-
-    if type(norm) not in (RMSNorm, OffsetRMSNorm):
-        return f"a {type(norm).__name__}, not an RMSNorm"
-    if norm.eps != eps:
-        return f"a norm with eps {norm.eps}, not the layer's {eps}"
-    w = norm.weight
-    if w.dtype != torch.float32 or w.device.type != "cpu":
-        return "norm weights not float32 on the CPU"
-    if type(norm) is OffsetRMSNorm and norm.offset != 0.0:
-        w = norm.offset + w.float()  # the module's (offset + w), rounded once to float32 as it rounds it
-        keep.append(w)
-    return w.contiguous().data_ptr() if w.is_contiguous() else "norm weights not contiguous"
