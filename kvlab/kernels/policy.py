@@ -39,7 +39,7 @@ class ThreadPolicy:
     max_kernel_rows: int = DEFAULT_MAX_KERNEL_ROWS  # the kernels' crossover with BLAS, in rows
     fused_decode: bool = True  # a decode step's layers one C call each (kernels/decode.c) where they fit
     # prompt-sized products over GGUF blocks in the kernels too: their tiles decode each block once per 32
-    # rows and beat dequantizing the matrix for BLAS at every chunk size measured (64-512 rows)
+    # rows (up to the build's quant.PROMPT_TILE_ROWS, past which dequantizing the matrix for BLAS wins)
     packed_prompts: bool = True
 
     def __post_init__(self) -> None:

@@ -64,11 +64,24 @@ def available() -> bool:
     return bool(_format_ids())
 
 
+def _intel_cpu() -> bool:
+    """Whether this is an Intel CPU (/proc/cpuinfo's vendor_id), where PyTorch's BLAS (MKL) runs its own
+    AVX-512 GEMM."""
+    try:
+        with open("/proc/cpuinfo", errors="ignore") as f:
+            return any(line.startswith("vendor_id") and "GenuineIntel" in line for line in f)
+    except OSError:
+        return False
+
+
 # Prompt-sized passes the tiles take, by the build's exact path: above this many rows, dequantizing the
-# matrix for BLAS wins. AVX-512 tiles beat BLAS at every chunk measured (64-512 rows); AVX2 tiles
-# (4 × 2 registers) at 64 rows (1.2-2.6×) but not at 256-512 (0.6-0.9×: 8960 × 1536 Q4_K, 1536 × 8960
-# Q6_K, 1536 × 576 Q4_1, 2 threads, measured side by side).
-PROMPT_TILE_ROWS = {"avx2": 128}
+# matrix for BLAS wins. AVX2 tiles (4 × 2 registers) win at 64 rows (1.2-2.6×) but not at 256-512
+# (0.6-0.9×: 8960 × 1536 Q4_K, 1536 × 8960 Q6_K, 1536 × 576 Q4_1, 2 threads, side by side). AVX-512
+# tiles beat BLAS at every chunk measured (64-512 rows) on the machine of 2026-12-02, but not on an
+# Intel Xeon with MKL's AVX-512 GEMM (2026-12-03): a 1,024-token prefill through BLAS was 1.56× the
+# tiles' on SmolLM2, 1.20× on Qwen2.5-Coder-0.5B, 1.15× on the 1.5B, 1.57× on Gemma 3 270M (the tiles
+# still won at 32-64 rows of the 1.5B's matrices). So on Intel the AVX-512 build stops at 128 too.
+PROMPT_TILE_ROWS = {"avx2": 128, **({"avx512": 128} if _intel_cpu() else {})}
 
 
 @functools.cache

@@ -7,9 +7,10 @@
 They implement the linear layer's seam (`forward`, `forward_parts`, `nbytes`,
 `bytes_read_per_token`, `macs_per_token`), so the model, the roofline and the memory plan use them
 as they use `kvlab.model.layers.Linear`. Which code multiplies is the device's ops' say
-(kvlab/backends/ops.py). On a CPU every pass goes to the C kernels, which read the blocks directly (`kvlab.kernels.quant`: one block decoded once for up to 32 rows, faster than
-dequantizing for BLAS even for prompt chunks; `ThreadPolicy.packed_prompts=False` sends prompt-sized
-passes to BLAS instead); anywhere the C kernels are not (CUDA, no compiler) the reference
+(kvlab/backends/ops.py). On a CPU a pass goes to the C kernels, which read the blocks directly (`kvlab.kernels.quant`: one block decoded once for up to 32 rows), up to the build's
+`quant.PROMPT_TILE_ROWS` (AVX2, and AVX-512 on Intel where MKL's GEMM wins: 128 rows) past which the
+matrix is dequantized for BLAS; `ThreadPolicy.packed_prompts=False` sends every prompt-sized pass to
+BLAS; anywhere the C kernels are not (CUDA, no compiler) the reference
 dequantization in `kvlab.quant.formats` serves every call. With `--activation-quant int8` the parts
 are held interleaved (format "<fmt>x16", kvlab/quant/activations.py) and every pass takes the kernels.
 """
