@@ -83,14 +83,14 @@ static inline v8f exp8(v8f x) {
     return (v8f)((v8i)exp_normal8(x) & keep);  // x ≥ -64 here: 2^n a normal float
 }
 
-// The kv heads g0 .. g1 − 1 of an item, and of each the query heads it takes: [lo_h(g), hi_h(g))
+// An item's kv heads g0 .. g1 − 1 and query heads h0 .. h1 − 1: of kv head g, those of its group among them
 typedef struct {
-    int64_t g0, g1, first, count;  // with one kv head: query heads first .. first + count − 1 of its group
+    int64_t g0, g1, h0, h1;
 } Heads;
 
-static inline int64_t heads_lo(const Heads* r, int64_t g, int64_t group) { return r->g1 - r->g0 == 1 ? r->first : g * group; }
+static inline int64_t heads_lo(const Heads* r, int64_t g, int64_t group) { return g * group > r->h0 ? g * group : r->h0; }
 static inline int64_t heads_hi(const Heads* r, int64_t g, int64_t group) {
-    return r->g1 - r->g0 == 1 ? r->first + r->count : (g + 1) * group;
+    return (g + 1) * group < r->h1 ? (g + 1) * group : r->h1;
 }
 
 // the rows of kv heads g0 .. g1 − 1 of cache slot `slot`, on their way to L1
@@ -110,10 +110,10 @@ static void attend_items(void* ctx, uint32_t begin, uint32_t end) {
     for (uint32_t item = begin; item < end; item++) {
         const int64_t part = item % a->parts, seq_chunk = item / a->parts;
         const int64_t b = seq_chunk / a->chunks, c = seq_chunk % a->chunks, n = S->num_keys[b], first = S->first_key[b];
-        Heads r = {0, Hkv, 0, group};  // every kv head (with one, its whole group through first, count)
-        if (a->parts > 1) {  // kv head g, query heads first .. of its group
+        Heads r = {0, Hkv, 0, H};  // every kv head and query head
+        if (a->parts > 1) {  // kv head g, per_part query heads of its group from h0
             const int64_t g = part / split, h0 = g * group + part % split * a->per_part;
-            r = (Heads){g, g + 1, h0, (h0 + a->per_part < (g + 1) * group ? h0 + a->per_part : (g + 1) * group) - h0};
+            r = (Heads){g, g + 1, h0, h0 + a->per_part};  // heads_hi stops at the group's end
         }
         const int64_t start = c * CHUNK_KEYS, hi = start + CHUNK_KEYS < n ? start + CHUNK_KEYS : n;
         if (start >= n || hi <= first) continue;  // past this sequence's keys, or before its window (merge skips it)
