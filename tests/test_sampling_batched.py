@@ -156,18 +156,33 @@ def test_structured_outputs_take_exactly_one_form():
     assert StructuredOutputs(choice=["a", "b"]).choice == ("a", "b")
 
 
-def test_greedy_tokens_are_argmax_ties_nan_and_infinities_included():
-    """The greedy fast path's `max(...).indices` picks what `argmax` picks: the first of tied largest
-    logits, a NaN over any number, a row of -inf's first index; on random rows with many ties too."""
-    x = torch.zeros(5, 49152)
+@pytest.mark.parametrize("ops", ["torch", "cpu"])
+def test_greedy_tokens_are_argmax_ties_nan_and_infinities_included(ops):
+    """The greedy picks (PyTorch's `max(...).indices`; on a CPU the C kernel's rows over two threads) are
+    what `argmax` picks: the first of tied largest logits, a NaN over any number, a row of -inf's first
+    index, a largest or a NaN in a row's last values past its whole groups of eight; random ties too."""
+    from kvlab.backends.ops import TORCH, ops_for
+    from kvlab.kernels.gemv import argmax_rows, gemv_available
+    from kvlab.kernels.policy import ThreadPolicy
+
+    if ops == "cpu" and not gemv_available():
+        pytest.skip("the C kernels are off here (KVLAB_KERNELS=0)")
+    chosen = TORCH if ops == "torch" else ops_for("cpu")
+    x = torch.zeros(7, 49155)
     x[0, 100] = x[0, 40000] = 5.0
     x[1, 7] = x[1, 9] = float("nan")
     x[1, 3] = 1e30
     x[2] = -float("inf")
     x[3, 49151] = x[3, 5] = 2.0
     x[4, 1] = float("inf")
-    assert greedy_tokens(x).tolist() == x.argmax(dim=-1).tolist() == [100, 7, 0, 5, 1]
-    g = torch.Generator().manual_seed(0)
-    for rows, cols in ((1, 49152), (16, 49152), (3, 1000)):
-        y = torch.randint(-3, 3, (rows, cols), generator=g).float()  # ties everywhere
-        assert torch.equal(greedy_tokens(y), y.argmax(dim=-1))
+    x[5, 49154] = 3.0  # in the tail after the last group of eight
+    x[6, 49153] = float("nan")
+    x[6, 0] = 7.0
+    with ThreadPolicy(threads=2).active():
+        assert chosen.greedy_tokens(x).tolist() == x.argmax(dim=-1).tolist() == [100, 7, 0, 5, 1, 49154, 49153]
+        g = torch.Generator().manual_seed(0)
+        for rows, cols in ((1, 49152), (16, 49152), (3, 1000), (2, 5)):
+            y = torch.randint(-3, 3, (rows, cols), generator=g).float()  # ties everywhere
+            assert torch.equal(chosen.greedy_tokens(y), y.argmax(dim=-1))
+    if ops == "cpu":  # the kernel itself, not a fallback, made those picks
+        assert argmax_rows(x, 2) is not None

@@ -64,6 +64,58 @@ static inline v8f dot8(const float* q, const float* const k[8], int64_t D) {
 #endif
 }
 
+typedef float v16f __attribute__((vector_size(64)));  // one AVX-512 register; two AVX ones elsewhere
+
+static inline v16f load16(const float* p) {
+    v16f v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline void store16(float* p, v16f v) { memcpy(p, &v, sizeof v); }
+
+// dot8 for D a multiple of 16, 16 lanes at a time: half the multiply-adds of 8 lanes on AVX-512. Each
+// key's 16 lane sums are folded to 8 (lane i + lane i + 8), then reduced as dot8's
+static inline v8f dot8_wide(const float* q, const float* const k[8], int64_t D) {
+    v16f acc[8] = {{0}};
+    for (int64_t i = 0; i < D; i += 16) {
+        const v16f x = load16(q + i);
+        for (int r = 0; r < 8; r++) acc[r] += x * load16(k[r] + i);
+    }
+    v8f half[8];
+    for (int r = 0; r < 8; r++)
+        half[r] = __builtin_shufflevector(acc[r], acc[r], 0, 1, 2, 3, 4, 5, 6, 7) +
+                  __builtin_shufflevector(acc[r], acc[r], 8, 9, 10, 11, 12, 13, 14, 15);
+#if defined(__AVX__)
+    const __m256 t0 = _mm256_hadd_ps((__m256)half[0], (__m256)half[1]), t1 = _mm256_hadd_ps((__m256)half[2], (__m256)half[3]);
+    const __m256 t2 = _mm256_hadd_ps((__m256)half[4], (__m256)half[5]), t3 = _mm256_hadd_ps((__m256)half[6], (__m256)half[7]);
+    const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+    return (v8f)_mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+#else
+    v8f out;
+    for (int r = 0; r < 8; r++) out[r] = hsum8(half[r]);
+    return out;
+#endif
+}
+
+// the largest of s[lo .. hi − 1] (−inf if none): eight running maxima, then the largest of them. Max
+// is exact in any order; a NaN score is passed over, as by the one-at-a-time comparison
+static inline float max_of(const float* s, int64_t lo, int64_t hi) {
+    float top = -INFINITY;
+    int64_t t = lo;
+    if (hi - lo >= 8) {
+        v8f m = {-INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY};
+        for (; t + 8 <= hi; t += 8) {
+            const v8f x = load8(s + t);
+            const v8i above = x > m;  // lanes of -1 where x is the larger (never where either is NaN)
+            m = (v8f)(((v8i)x & above) | ((v8i)m & ~above));
+        }
+        for (int j = 0; j < 8; j++) top = m[j] > top ? m[j] : top;
+    }
+    for (; t < hi; t++) top = s[t] > top ? s[t] : top;
+    return top;
+}
+
 // o += p · v over D floats
 static inline void axpy(float* o, float p, const float* v, int64_t D) {
     int64_t i = 0;
@@ -136,7 +188,7 @@ static void attend_items(void* ctx, uint32_t begin, uint32_t end) {
                     const float* k[8];
                     for (int j = 0; j < 8; j++) k[j] = decode_vector(&S->k, slots[j] * Hkv + g, D, kbuf8 + j * D);
                     for (int64_t h = heads_lo(&r, g, group); h < heads_hi(&r, g, group); h++)
-                        store8(scores + h * stride + t, dot8(q + h * D, k, D) * scale);
+                        store8(scores + h * stride + t, (D % 16 ? dot8(q + h * D, k, D) : dot8_wide(q + h * D, k, D)) * scale);
                 }
             }
         for (; t < hi; t++) {
@@ -152,8 +204,8 @@ static void attend_items(void* ctx, uint32_t begin, uint32_t end) {
         for (int64_t g = r.g0; g < r.g1; g++)
             for (int64_t h = heads_lo(&r, g, group); h < heads_hi(&r, g, group); h++) {
                 float* s = scores + h * stride;
-                float top = -INFINITY, sum = 0.0f;
-                for (int64_t t = lo; t < hi; t++) top = s[t] > top ? s[t] : top;
+                const float top = max_of(s, lo, hi);
+                float sum = 0.0f;
                 int64_t t = lo;
                 v8f sums = {0};
                 for (; t + 8 <= hi; t += 8) {
@@ -186,7 +238,13 @@ static void attend_items(void* ctx, uint32_t begin, uint32_t end) {
                     for (int64_t h = heads_lo(&r, g, group); h < heads_hi(&r, g, group); h++) {
                         const float* p = scores + h * stride + t;
                         float* o = partial + h * (D + 2) + 2;
-                        for (int64_t i = 0; i + 8 <= D; i += 8) {
+                        int64_t i = 0;  // 16 lanes, then 8: the same operations per value either way
+                        for (; i + 16 <= D; i += 16) {
+                            v16f acc = load16(o + i);
+                            for (int j = 0; j < 8; j++) acc += p[j] * load16(v[j] + i);
+                            store16(o + i, acc);
+                        }
+                        for (; i + 8 <= D; i += 8) {
                             v8f acc = load8(o + i);
                             for (int j = 0; j < 8; j++) acc += p[j] * load8(v[j] + i);
                             store8(o + i, acc);

@@ -261,3 +261,81 @@ void kvlab_rope_f32(float* x, const float* cos, const float* signed_sin, int64_t
         }
     }
 }
+
+// ---- greedy picks: each row's argmax ------------------------------------------------------------
+// The index of the first of a row's largest values, a NaN counting as the largest (the first NaN's
+// index then), as PyTorch's max(dim=-1).indices gives it on a CPU. Per row: eight running maxima and
+// whether a NaN was seen, then the first index holding the largest (or the first NaN). The rows of a
+// batch split over the threads.
+
+typedef int32_t v8i32 __attribute__((vector_size(32)));
+
+// the larger of v and m lane by lane, m where v is NaN or not larger (the scalar rule below)
+static inline v8f max_lanes(v8f v, v8f m) {
+#if defined(__AVX__)
+    return (v8f)_mm256_max_ps((__m256)v, (__m256)m);  // vmaxps(v, m): v if v > m, else m (NaN included)
+#else
+    const v8i32 above = v > m;
+    return (v8f)(((v8i32)v & above) | ((v8i32)m & ~above));
+#endif
+}
+
+static int64_t argmax_row(const float* x, int64_t n) {
+    const float inf = INFINITY;
+    v8f m[4] = {{-inf, -inf, -inf, -inf, -inf, -inf, -inf, -inf}};
+    for (int j = 1; j < 4; j++) m[j] = m[0];
+    v8i32 nan = {0};
+    int64_t i = 0;
+    for (; i + 32 <= n; i += 32)  // four running maxima: no chain of dependent maxima
+        for (int j = 0; j < 4; j++) {
+            const v8f v = load_f32(x + i + 8 * j);
+            m[j] = max_lanes(v, m[j]);
+            nan |= v != v;
+        }
+    for (; i + 8 <= n; i += 8) {
+        const v8f v = load_f32(x + i);
+        m[0] = max_lanes(v, m[0]);
+        nan |= v != v;
+    }
+    float top = -inf;
+    int any_nan = 0;
+    for (int j = 0; j < 8; j++) {
+        for (int k = 0; k < 4; k++) top = m[k][j] > top ? m[k][j] : top;
+        any_nan |= nan[j];
+    }
+    for (int64_t k = i; k < n; k++) top = x[k] > top ? x[k] : top, any_nan |= x[k] != x[k];
+    int64_t k = 0;
+    if (any_nan) {
+        while (x[k] == x[k]) k++;
+        return k;
+    }
+    for (; k + 8 <= n; k += 8) {
+        const v8i32 hit = load_f32(x + k) == top;
+        int mask = 0;
+        for (int j = 0; j < 8; j++) mask |= (hit[j] & 1) << j;
+        if (mask) return k + __builtin_ctz(mask);
+    }
+    while (x[k] != top) k++;
+    return k;
+}
+
+typedef struct {
+    const float* x;
+    int64_t n;
+    int64_t* out;
+} Argmax;
+
+static void argmax_rows(void* ctx, uint32_t begin, uint32_t end) {
+    const Argmax* a = ctx;
+    for (uint32_t r = begin; r < end; r++) a->out[r] = argmax_row(a->x + r * a->n, a->n);
+}
+
+// out[r] = the argmax of row r of x [rows, n] (n ≥ 1)
+void kvlab_argmax_rows(const float* x, int64_t rows, int64_t n, int64_t* out, int threads) {
+    Argmax a = {x, n, out};
+    if (rows <= 1 || threads <= 1) {
+        argmax_rows(&a, 0, (uint32_t)rows);
+        return;
+    }
+    kvlab_pool_run(argmax_rows, &a, (uint32_t)rows, 1, threads);
+}

@@ -130,6 +130,7 @@ def _load() -> None:
     _ops["rms_norm"] = _bind(lib, "kvlab_rms_norm_f32", [pointer] * 3 + [int64] * 2 + [ctypes.c_float])
     _ops["rope"] = _bind(lib, "kvlab_rope_f32", [pointer] * 3 + [int64] * 4)
     _ops["gated_act"] = _bind(lib, "kvlab_gated_act_f32", [pointer] * 2 + [int64] * 2 + [ctypes.c_int])
+    _ops["argmax"] = _bind(lib, "kvlab_argmax_rows", [pointer, int64, int64, pointer, ctypes.c_int])
     _pool["stats"] = _bind(lib, "kvlab_pool_stats", [ctypes.POINTER(_PoolStats)])
     _pool["set_generation"] = _bind(lib, "kvlab_pool_set_generation", [ctypes.c_uint32], ctypes.c_int)
     _pool["hold"] = _bind(lib, "kvlab_pool_hold", [ctypes.c_int], ctypes.c_int)
@@ -291,6 +292,20 @@ def gated_act(gate_up: torch.Tensor, intermediate: int, activation_id: int) -> t
     y = torch.empty(*gate_up.shape[:-1], intermediate)
     _ops["gated_act"](gate_up.data_ptr(), y.data_ptr(), rows, intermediate, activation_id)
     return y
+
+
+def argmax_rows(x: torch.Tensor, threads: int) -> torch.Tensor | None:
+    """Each row's argmax of x [rows, n] float32 on a CPU, as `x.max(dim=-1).indices` (the first of the
+    largest, a NaN the largest); None where the kernels are off or x is not such a tensor."""
+    if x.dtype != torch.float32 or x.dim() != 2 or x.device.type != "cpu" or x.shape[1] == 0:
+        return None
+    _ensure_loaded()
+    if not _ops:
+        return None
+    x = x.contiguous()
+    out = torch.empty(x.shape[0], dtype=torch.long)
+    _ops["argmax"](x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr(), threads)
+    return out
 
 
 def rope_in_place(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> bool:

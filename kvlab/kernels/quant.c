@@ -467,7 +467,9 @@ static void buffered_items(void* ctx, uint32_t begin, uint32_t end) {
 // quarter shifted by its own amount (vpsrlvd): lane L then holds, in its low bits, a code of byte
 // 4·(L % 4) + L / 4. That fixed 4 x 4 transpose of every 16 weights ("lane order") is undone on the
 // activations instead, once per call (to_lane_order), and the decoders keep the shuffle port for the
-// table lookups. Fifth (and Q6_K's fifth and sixth) bits reach bit 4 by a per-lane rotation.
+// table lookups. Fifth bits reach bit 4 by a per-lane rotation. Q6_K instead assembles its six-bit
+// codes as bytes, 128 at a time (q6k_bytes), and widens 16 of them per vector, in value order: 1.13-1.17x
+// faster at one or two rows than looking them up lane by lane (896 x 4864, 2 threads: 178 -> 152 us).
 //
 // Every weight decoded here is the reference's value exactly: each is d·q, (d·sc)·q − dmin·m, d·q + m
 // or (d·sc)·(q − 32) of an fp16 scale and small integers, products that float32 holds without
@@ -485,6 +487,8 @@ static void buffered_items(void* ctx, uint32_t begin, uint32_t end) {
 #pragma GCC optimize("fp-contract=off")
 #endif
 
+#define SROW 64  // floats per row of a chunk's scales: 32, then (Q6_K) 128 bytes of codes (q6k_bytes)
+
 static const int32_t LANE_BYTE[16] = {0, 0, 0, 0, 8, 8, 8, 8, 16, 16, 16, 16, 24, 24, 24, 24};  // 8·(L / 4)
 #define BYTE_SHIFT _mm512_loadu_si512(LANE_BYTE)
 #define BCAST16(p) _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)(p)))
@@ -501,7 +505,7 @@ static inline void to_lane_order(const float* x, float* xt, int64_t count) {  //
     for (int64_t i = 0; i < count; i += 16) _mm512_storeu_ps(xt + i, _mm512_permutexvar_ps(LANE_ORDER, _mm512_loadu_ps(x + i)));
 }
 
-static inline int in_lane_order(int fmt) { return fmt >= Q4_0 && fmt <= Q6_K; }
+static inline int in_lane_order(int fmt) { return fmt >= Q4_0 && fmt < Q6_K; }  // Q6_K: its codes as bytes, in order
 static inline int wants_sums(int fmt) { (void)fmt; return 0; }
 static inline int64_t sums_stride(int64_t n) { return n; }
 static void x_sums(const float* x, int64_t m, int64_t n, float* xs) { (void)x, (void)m, (void)n, (void)xs; }
@@ -509,7 +513,7 @@ static void x_sums(const float* x, int64_t m, int64_t n, float* xs) { (void)x, (
 // K-quants: per chunk (one super-block), for each row r, what its decoders share: s[r][u] = d·sc and
 // s[r][8 + u] = dmin·m of group u (Q4_K, Q5_K); s[r][g] = d·sc and s[r][16 + g] = 32·d·sc of group g of
 // 16 (Q6_K).
-static inline void chunk_scales(int fmt, const int R, const uint8_t* const* row, int64_t c, float (*s)[32]) {
+static inline void chunk_scales(int fmt, const int R, const uint8_t* const* row, int64_t c, float (*s)[SROW]) {
     const Format* f = &FORMATS[fmt];
     for (int r = 0; r < R; r++) {
         const uint8_t* p = row[r] + c / QK_K * f->bytes;
@@ -541,6 +545,27 @@ static inline __attribute__((always_inline)) UnitShifts unit_shifts(int fmt, int
     UnitShifts k = {NIBBLE_SHIFT(u & 1), BIT4_ROTATION(u)};  // Q4_K, Q5_K: group u
     if (fmt == Q6_K) k.codes = NIBBLE_SHIFT((u % 4) >> 1), k.bits = BIT4_ROTATION(2 * (u % 4));
     return k;
+}
+
+// Q6_K's six-bit codes of half h (128 values) of a chunk, as bytes in value order, into the row's
+// share of s after its scales (s + 32: 128 bytes). Value 128h + 32t + l has low nibble t / 2 of
+// ql[64h + 32(t % 2) + l] and bits 2t, 2t + 1 of qh[32h + l]: the 64 bytes of ql hold t = 0, 1 as their
+// low nibbles and t = 2, 3 as their high ones, and the 32 of qh, loaded into both halves of a register,
+// meet each with its own shift (word shifts: the masks drop what crosses a byte). 7 operations per 128
+// codes, where assembling them in int32 lanes took 4 per 16; each unit then widens 16 bytes at a time.
+static inline __attribute__((always_inline)) void q6k_bytes(const uint8_t* row, int64_t c, int h, float* s) {
+    const uint8_t* p = row + c / QK_K * FORMATS[Q6_K].bytes;
+    const __m512i ql = _mm512_loadu_si512(p + 64 * h);
+    const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(p + 128 + 32 * h)));
+    const __m512i low4 = _mm512_set1_epi8(0x0F), six = _mm512_set1_epi8(0x3F);
+    // t = 0 | 1: qh's bits 0-1 | 2-3 to bits 4-5; t = 2 | 3: bits 4-5 | 6-7
+    const __m512i up = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(2), 1);
+    const __m512i down = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);
+    const __m512i t01 = _mm512_ternarylogic_epi32(ql, _mm512_sllv_epi16(qh, up), low4, 0xE4);  // low4 ? ql : high
+    const __m512i t23 = _mm512_ternarylogic_epi32(_mm512_srli_epi16(ql, 4), _mm512_srlv_epi16(qh, down), low4, 0xE4);
+    uint8_t* out = (uint8_t*)(s + 32);
+    _mm512_store_si512(out, _mm512_and_si512(t01, six));
+    _mm512_store_si512(out + 64, _mm512_and_si512(t23, six));
 }
 
 // Unit u of a chunk starting at value c: weights c + 32u .. + 31 as two vectors (lane order, Q8_0 in order)
@@ -600,13 +625,10 @@ static inline __attribute__((always_inline)) void decode(int fmt, const uint8_t*
         w[1] = _mm512_permutex2var_ps(table, LOW4_THEN(hi, _mm512_rorv_epi32(BCAST16(p + 32), k->bits)), hi_table);
         return;
     }
-    default: {  // Q6_K, unit u = 4h + t: low nibble t / 2 of ql[64h + 32(t % 2) + l], bits 2t of qh[32h + l]
-        const int h = u / 4, t = u % 4;
-        const uint8_t *ql = p + 64 * h + 32 * (t & 1), *qh = p + 128 + 32 * h;
-        for (int half = 0; half < 2; half++) {  // weights l = 16·half .. + 15: one scale
-            __m512i low = _mm512_srlv_epi32(BCAST16(ql + 16 * half), k->codes);
-            __m512i top = _mm512_and_si512(_mm512_rorv_epi32(BCAST16(qh + 16 * half), k->bits), _mm512_set1_epi32(0x30));
-            __m512 q = _mm512_cvtepi32_ps(LOW4_THEN(low, top));
+    default: {  // Q6_K, unit u = 4h + t: values 128h + 32t .. + 31, their codes made by q6k_bytes in order
+        const uint8_t* codes = (const uint8_t*)(s + 32) + 32 * (u % 4);
+        for (int half = 0; half < 2; half++) {  // weights 16·half .. + 15: one scale
+            const __m512 q = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_load_si128((const __m128i*)(codes + 16 * half))));
             // (d·sc)·(q − 32) = (d·sc)·q − 32·(d·sc): both exact, so the one rounding of the FMA is the reference's
             w[half] = _mm512_fmsub_ps(_mm512_set1_ps(s[2 * u + half]), q, _mm512_set1_ps(s[16 + 2 * u + half]));
         }
@@ -635,7 +657,7 @@ static inline __attribute__((always_inline)) void fused_rows(int fmt, const int 
     __m512 acc[ROWS][4];
     for (int r = 0; r < R; r++)
         for (int i = 0; i < M; i++) acc[r][i] = _mm512_setzero_ps();
-    float s[ROWS][32] __attribute__((aligned(64)));
+    float s[ROWS][SROW] __attribute__((aligned(64)));
     for (int64_t c = 0; c < p->n; c += CK) {
         const int units = (int)((p->n - c < CK ? p->n - c : CK) / 32);
         if (FORMATS[fmt].values == QK_K) chunk_scales(fmt, R, row, c, s);
@@ -649,6 +671,7 @@ static inline __attribute__((always_inline)) void fused_rows(int fmt, const int 
 #pragma GCC unroll 8
             for (int r = 0; r < R; r++) {
                 prefetch_next(p, row[r], c, u);
+                if (fmt == Q6_K && u % 4 == 0) q6k_bytes(row[r], c, u / 4, s[r]);
                 __m512 w[2];
                 decode(fmt, row[r], c, u, s[r], &shifts, w);
 #pragma GCC unroll 4
@@ -727,7 +750,7 @@ static inline __attribute__((always_inline)) void stored_item(int fmt, const Pro
     const uint8_t* row[ROWS];
     item_rows(p, o0, rows, row);
     float wb[ROWS * CK] __attribute__((aligned(64)));
-    float s[ROWS][32] __attribute__((aligned(64)));
+    float s[ROWS][SROW] __attribute__((aligned(64)));
     __m512 acc[MAX_M * ROWS];
     for (int64_t k = 0; k < p->m * ROWS; k++) acc[k] = _mm512_setzero_ps();
     for (int64_t c = 0; c < p->n; c += CK) {
@@ -737,6 +760,7 @@ static inline __attribute__((always_inline)) void stored_item(int fmt, const Pro
             for (int u = 0; u < len / 32; u++) {
                 const UnitShifts shifts = unit_shifts(fmt, u);
                 prefetch_next(p, row[r], c, u);
+                if (fmt == Q6_K && u % 4 == 0) q6k_bytes(row[r], c, u / 4, s[r]);
                 __m512 w[2];
                 decode(fmt, row[r], c, u, s[r], &shifts, w);
                 _mm512_store_ps(wb + r * CK + 32 * u, w[0]);
@@ -750,13 +774,14 @@ static inline __attribute__((always_inline)) void stored_item(int fmt, const Pro
 
 // Dequantization with the same decoders, every vector put back in order.
 static void expand_row(int fmt, const uint8_t* row, int64_t n, float* y) {
-    float s[1][32] __attribute__((aligned(64)));
+    float s[1][SROW] __attribute__((aligned(64)));
     for (int64_t c = 0; c < n; c += CK) {
         const int units = (int)((n - c < CK ? n - c : CK) / 32);
         if (FORMATS[fmt].values == QK_K) chunk_scales(fmt, 1, &row, c, s);
         for (int u = 0; u < units; u++) {
             const UnitShifts shifts = unit_shifts(fmt, u);
             __m512 w[2];
+            if (fmt == Q6_K && u % 4 == 0) q6k_bytes(row, c, u / 4, s[0]);
             decode(fmt, row, c, u, s[0], &shifts, w);
             if (in_lane_order(fmt)) w[0] = _mm512_permutexvar_ps(LANE_ORDER, w[0]), w[1] = _mm512_permutexvar_ps(LANE_ORDER, w[1]);
             _mm512_storeu_ps(y + c + 32 * u, w[0]);

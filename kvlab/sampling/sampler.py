@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvlab.backends.ops import current_ops
 from kvlab.sampling.draw import draw, filtered_probabilities
 from kvlab.sampling.logprobs import Logprob, token_logprobs
 from kvlab.sampling.params import INT64_MIN, SamplingParams
@@ -31,9 +32,8 @@ from kvlab.sampling.structured import GrammarCompiler, GrammarMatcher, apply_bit
 
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     """Each row's argmax: the first of its largest logits (a NaN counts as the largest), as
-    `argmax(dim=-1)` gives it, through `max`, whose CPU reduction is 2-3x faster over a batch's rows
-    (16 rows of 49,152: 0.4 vs 1.1 ms at two threads, measured)."""
-    return logits.max(dim=-1).indices
+    `argmax(dim=-1)` gives it, computed by the device's ops in force (backends/ops.py)."""
+    return current_ops().greedy_tokens(logits)
 
 
 def choice_seed(seed: int, index: int) -> int:
