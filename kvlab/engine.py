@@ -20,7 +20,7 @@ from kvlab.config import EngineConfig
 from kvlab.errors import KvlabError
 from kvlab.kernels import ThreadPolicy
 from kvlab.kv.manager import KVLedger
-from kvlab.kv.prompt_cache import PromptCache
+from kvlab.kv.prompt_cache import MemoryOnly, PromptCache
 from kvlab.model.loader import LoadedModel
 from kvlab.output.group import RequestGroup
 from kvlab.output.processor import OutputState, StepOutput
@@ -65,8 +65,9 @@ class LLMEngine:
         # speculative decoding (spec_decode/): the runner's proposer drafts, its sampling verifies
         self.runner.spec = SpecDecoder.create(config.speculative_config, loaded, tokenizer, config, pipeline)
         self.stats = EngineStats()
-        # the prefix cache's disk tier (--prompt-cache-dir, kv/prompt_cache.py); None: memory only
+        # the prefix cache's disk tier (--prompt-cache-dir, kv/prompt_cache.py; None: memory only) and its hooks
         self.prompt_cache = PromptCache.create(config, loaded, self.cache, self.kv)
+        self._disk = self.prompt_cache or MemoryOnly()
         self._states: dict[str, tuple[Request, OutputState]] = {}  # per sequence (a request, or one of its choices)
         self._groups: dict[str, RequestGroup] = {}  # per request id: its choices
         self._ids = itertools.count()
@@ -139,7 +140,7 @@ class LLMEngine:
         output.request_id = request_id
         group = self._groups[request_id] = RequestGroup.new(output, params, request_id)
         self._states[request_id] = (request, OutputState(request, self.tokenizer, output, group.choice(0)))
-        if self.prompt_cache is None or not self.prompt_cache.hold(request):  # held: its blocks are read first
+        if not self._disk.hold(request):  # held: its blocks are read from disk first
             self.scheduler.add_request(request)
         return request_id
 
@@ -149,7 +150,7 @@ class LLMEngine:
         group = self._groups.get(request_id)
         if group is None:
             return None
-        if self.prompt_cache is not None and (held := self.prompt_cache.cancel(request_id)) is not None:
+        if (held := self._disk.cancel(request_id)) is not None:
             self.scheduler.add_request(held)  # where finish_request looks for it
         out = None
         for seq_id in sorted(group.live):
@@ -168,7 +169,7 @@ class LLMEngine:
 
     @property
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests or bool(self.prompt_cache and self.prompt_cache.num_held)
+        return self.scheduler.has_unfinished_requests or bool(self._disk.num_held)
 
     @property
     def num_running(self) -> int:
@@ -176,7 +177,7 @@ class LLMEngine:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.scheduler.waiting) + (self.prompt_cache.num_held if self.prompt_cache else 0)
+        return len(self.scheduler.waiting) + self._disk.num_held
 
     # ---- one step ------------------------------------------------------------------------------------
 
@@ -189,8 +190,7 @@ class LLMEngine:
         plan = None
         try:
             t0 = time.perf_counter()
-            if self.prompt_cache is not None:  # 0. requests whose blocks came back from disk (kv/prompt_cache.py)
-                self._admit_restored()
+            self._admit_restored()  # 0. requests whose blocks came back from disk (kv/prompt_cache.py)
             plan = self.scheduler.schedule()  # 1. which requests, how many tokens each
             t1 = time.perf_counter()
             if not plan.chunks:
@@ -200,8 +200,7 @@ class LLMEngine:
             tokens = step.tokens
             outputs = [o for r, e in step.failed if self.has_request(r.group_id) and (o := self._fail(r, e)) is not None]
             outputs += self._update(plan, tokens, step_s=t4 - t0)  # 5. append, stop, detokenize
-            if self.prompt_cache is not None:  # the blocks this step filled, copied out for the disk's writer
-                self.prompt_cache.save_new_blocks()
+            self._disk.save_new_blocks()  # the blocks this step filled, copied out for the disk's writer
             t5 = time.perf_counter()
         except RankFailed:
             raise  # another rank of a tensor-parallel job is gone: no request can go on (kvlab/parallel)
@@ -224,16 +223,15 @@ class LLMEngine:
     def _admit_restored(self) -> None:
         """Hand the scheduler the held requests whose disk reads are done; wait a little for one only when
         nothing else would run (a read never stalls other requests' steps)."""
-        self.prompt_cache.save_new_blocks()  # blocks a failed step registered: intact until this step allocates
+        self._disk.save_new_blocks()  # blocks a failed step registered: intact until this step allocates
         idle = not self.scheduler.has_unfinished_requests
-        for request in self.prompt_cache.ready(wait_s=0.05 if idle else 0.0):
+        for request in self._disk.ready(wait_s=0.05 if idle else 0.0):
             self.scheduler.add_request(request)
 
     def close(self) -> None:
         """Write the disk tier's queued blocks and stop its threads (nothing to do without one)."""
-        if self.prompt_cache is not None:
-            self.prompt_cache.save_new_blocks()
-            self.prompt_cache.close()
+        self._disk.save_new_blocks()
+        self._disk.close()
 
     @property
     def spec(self):
@@ -266,7 +264,7 @@ class LLMEngine:
         return out
 
     def _update(self, plan: SchedulerOutput, tokens: StepResult, step_s: float) -> list[StepOutput]:
-        self._account(plan, step_s)
+        plan.account(step_s)
         for c in plan.chunks:  # speculation's counts: drafted, accepted (before the scheduler forgets the drafts)
             rid = c.request.request_id
             if c.spec_token_ids and rid in tokens.sampled_token_ids:
@@ -321,19 +319,6 @@ class LLMEngine:
                 children.append(child)
         return children
 
-    def _account(self, plan: SchedulerOutput, step_s: float) -> None:
-        """Each request's share of the step: a prompt chunk (prefill) or a fed-back token (decode)."""
-        n = len(plan.chunks)
-        for c in plan.chunks:
-            t = c.request.timings
-            if (c.num_new_tokens == 1 or c.spec_token_ids) and c.start >= c.request.num_prompt_tokens:
-                t.decode_steps += 1
-                t.decode_batch_sum += n
-            else:
-                t.prefill_chunks += 1
-                t.prefill_shared_steps += n > 1
-                t.prefill_compute_s += step_s
-
     def _fill_metrics(self, request: Request, output: RequestOutput) -> None:
         t, m = request.timings, output.metrics
         m.prompt_tokens, m.cached_prompt_tokens = request.num_prompt_tokens, request.num_cached_tokens
@@ -348,7 +333,7 @@ class LLMEngine:
         m.prefill_shared_steps, m.decode_steps = t.prefill_shared_steps, t.decode_steps
         m.mean_decode_batch = t.decode_batch_sum / t.decode_steps if t.decode_steps else 0.0
         m.num_preemptions = request.num_preemptions
-        m.cached_prompt_tokens_disk = self.prompt_cache.disk_tokens(request) if self.prompt_cache else 0
+        m.cached_prompt_tokens_disk = self._disk.disk_tokens(request)
         if self.spec is not None:
             m.spec_decoding = self.spec.report(request.spec_stats or SpecDecodingStats()).to_dict()
         held = request.num_computed_tokens if self.config.use_cache else 0
@@ -365,8 +350,7 @@ class LLMEngine:
         self._fill_metrics(request, output)
         output.metrics.peak_memory_bytes = peak_memory_bytes(self.cache.device)
         self.runner.release(request.request_id)
-        if self.prompt_cache is not None:
-            self.prompt_cache.forget(request)
+        self._disk.forget(request)
         if self.spec is not None:
             self.spec.release(request.request_id)
         del self._states[request.request_id]

@@ -126,6 +126,31 @@ class _Read:
     future: Future  # → (staging [rows, payload bytes] uint8, whole blocks read)
 
 
+class MemoryOnly:
+    """No disk tier (no --prompt-cache-dir): PromptCache's hooks, each doing nothing, so that the engine
+    calls them without asking whether a tier exists."""
+
+    num_held = 0
+
+    def hold(self, request: Request) -> bool:
+        return False
+
+    def cancel(self, request_id: str) -> Request | None:
+        return None
+
+    def ready(self, wait_s: float = 0.0) -> list[Request]:
+        return []
+
+    def disk_tokens(self, request: Request) -> int:
+        return 0
+
+    def save_new_blocks(self) -> None: ...
+
+    def forget(self, request: Request) -> None: ...
+
+    def close(self) -> None: ...
+
+
 class PromptCache:
     def __init__(self, store: DiskStore, kv: KVCacheManager, cache: PagedKVCache):
         self.store, self.kv, self.cache = store, kv, cache

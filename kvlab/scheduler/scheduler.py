@@ -130,6 +130,19 @@ class SchedulerOutput:
     def num_tokens(self) -> int:
         return sum(c.num_new_tokens for c in self.chunks)
 
+    def account(self, step_s: float) -> None:
+        """Each request's share of the step in its timings: a prompt chunk (prefill) or a fed-back token (decode)."""
+        n = len(self.chunks)
+        for c in self.chunks:
+            t = c.request.timings
+            if (c.num_new_tokens == 1 or c.spec_token_ids) and c.start >= c.request.num_prompt_tokens:
+                t.decode_steps += 1
+                t.decode_batch_sum += n
+            else:
+                t.prefill_chunks += 1
+                t.prefill_shared_steps += n > 1
+                t.prefill_compute_s += step_s
+
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager):
