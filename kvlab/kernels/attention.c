@@ -44,14 +44,9 @@ static inline float dot(const float* a, const float* b, int64_t D) {
     return s;
 }
 
-// The dots of one query with 8 keys k[0..7] (D floats each): eight accumulators, then one transposing
-// reduction for all eight instead of a horizontal sum per key
-static inline v8f dot8(const float* q, const float* const k[8], int64_t D) {
-    v8f acc[8] = {{0}};
-    for (int64_t i = 0; i + 8 <= D; i += 8) {
-        const v8f x = load8(q + i);
-        for (int r = 0; r < 8; r++) acc[r] += x * load8(k[r] + i);
-    }
+// Eight keys' lane sums (acc[r]: key r's 8 lanes) → their eight dots, by one transposing reduction
+// instead of a horizontal sum per key
+static inline v8f sums8(const v8f* acc) {
 #if defined(__AVX__)
     const __m256 t0 = _mm256_hadd_ps((__m256)acc[0], (__m256)acc[1]), t1 = _mm256_hadd_ps((__m256)acc[2], (__m256)acc[3]);
     const __m256 t2 = _mm256_hadd_ps((__m256)acc[4], (__m256)acc[5]), t3 = _mm256_hadd_ps((__m256)acc[6], (__m256)acc[7]);
@@ -62,6 +57,16 @@ static inline v8f dot8(const float* q, const float* const k[8], int64_t D) {
     for (int r = 0; r < 8; r++) out[r] = hsum8(acc[r]);
     return out;
 #endif
+}
+
+// The dots of one query with 8 keys k[0..7] (D floats each): eight accumulators, then sums8
+static inline v8f dot8(const float* q, const float* const k[8], int64_t D) {
+    v8f acc[8] = {{0}};
+    for (int64_t i = 0; i + 8 <= D; i += 8) {
+        const v8f x = load8(q + i);
+        for (int r = 0; r < 8; r++) acc[r] += x * load8(k[r] + i);
+    }
+    return sums8(acc);
 }
 
 typedef float v16f __attribute__((vector_size(64)));  // one AVX-512 register; two AVX ones elsewhere
@@ -75,7 +80,7 @@ static inline v16f load16(const float* p) {
 static inline void store16(float* p, v16f v) { memcpy(p, &v, sizeof v); }
 
 // dot8 for D a multiple of 16, 16 lanes at a time: half the multiply-adds of 8 lanes on AVX-512. Each
-// key's 16 lane sums are folded to 8 (lane i + lane i + 8), then reduced as dot8's
+// key's 16 lane sums are folded to 8 (lane i + lane i + 8), then reduced by sums8
 static inline v8f dot8_wide(const float* q, const float* const k[8], int64_t D) {
     v16f acc[8] = {{0}};
     for (int64_t i = 0; i < D; i += 16) {
@@ -86,16 +91,7 @@ static inline v8f dot8_wide(const float* q, const float* const k[8], int64_t D) 
     for (int r = 0; r < 8; r++)
         half[r] = __builtin_shufflevector(acc[r], acc[r], 0, 1, 2, 3, 4, 5, 6, 7) +
                   __builtin_shufflevector(acc[r], acc[r], 8, 9, 10, 11, 12, 13, 14, 15);
-#if defined(__AVX__)
-    const __m256 t0 = _mm256_hadd_ps((__m256)half[0], (__m256)half[1]), t1 = _mm256_hadd_ps((__m256)half[2], (__m256)half[3]);
-    const __m256 t2 = _mm256_hadd_ps((__m256)half[4], (__m256)half[5]), t3 = _mm256_hadd_ps((__m256)half[6], (__m256)half[7]);
-    const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
-    return (v8f)_mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
-#else
-    v8f out;
-    for (int r = 0; r < 8; r++) out[r] = hsum8(half[r]);
-    return out;
-#endif
+    return sums8(half);
 }
 
 // the largest of s[lo .. hi − 1] (−inf if none): eight running maxima, then the largest of them. Max
