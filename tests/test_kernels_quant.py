@@ -301,3 +301,18 @@ def test_a_fused_matrix_in_one_dispatch_gives_each_parts_bits_alone(interleave, 
             alone = quant.packed_linear(x, [part], part.shape[0], threads=threads)
             assert torch.equal(y[:, start : start + part.shape[0]], alone), (part.fmt, threads)
             start += part.shape[0]
+
+
+@needs_kernel
+def test_a_matrix_past_the_caches_gives_each_rows_bits_alone_with_8_bit_activations():
+    """An LM-head-sized interleaved matrix (over 16 MB: its items ask for the lines two items on while
+    several rows run) gives 5 and 16 rows the bits each row gets alone, on 1 and 2 threads."""
+    rows, n = 36_000, 512  # Q8_0: 34 bytes per 32 values, 17 per 16 interleaved: about 19.6 MB
+    part = packed("Q8_0", random_blocks("Q8_0", rows, n, seed=7), n)
+    found = quant.interleave(part)
+    part = PackedTensor(found[0], part.shape, found[1])
+    x = torch.randn(16, n, generator=torch.Generator().manual_seed(3))
+    alone = torch.cat([quant.packed_linear(x[i : i + 1], [part], rows, threads=1) for i in range(16)])
+    for m in (5, 16):
+        for threads in (1, 2):
+            assert torch.equal(quant.packed_linear(x[:m], [part], rows, threads=threads), alone[:m]), (m, threads)
