@@ -62,8 +62,7 @@ def describe_layer(model, layer, keep: list) -> LayerDesc | str:
     if any(isinstance(w, str) for w in weights):
         return next(w for w in weights if isinstance(w, str))
     # the all-reduce after o_proj and after the MLP (down_proj, or the whole mixture of experts)
-    reduce = _row_parallel(attn.out_proj if deltanet else attn.o_proj, mlp if moe else mlp.down_proj,
-                           model.config.hidden_size, keep)  # fmt: skip
+    reduce = _row_parallel(attn.out_proj if deltanet else attn.o_proj, mlp if moe else mlp.down_proj, keep)
     if isinstance(reduce, str):
         return reduce
     if deltanet and reduce:
@@ -113,7 +112,7 @@ def describe_layer(model, layer, keep: list) -> LayerDesc | str:
     return desc
 
 
-def _row_parallel(o_proj, down_proj, hidden: int, keep: list):
+def _row_parallel(o_proj, down_proj, keep: list):
     """A tensor-parallel shard's all-reduce as decode.c makes it (the group's shared-memory segment and
     call counter) with its group; None for a whole model; or why the C step cannot sum over the ranks."""
     from kvlab.parallel.layers import RowParallel

@@ -146,6 +146,14 @@ static inline void prefetch_heads(const KVStore* s, int64_t slot, int64_t Hkv, c
     for (int64_t g = r->g0; g < r->g1; g++) prefetch_vector(s, slot * Hkv + g, D);
 }
 
+// The cache slots of keys t .. t + 7, and the rows of the eight after PREFETCH_AHEAD more on their way
+static inline void eight_slots(const KVStore* s, const int64_t* table, int64_t t, int64_t hi, int64_t bs, int64_t Hkv,
+                               const Heads* r, int64_t D, int64_t* slots) {
+    for (int j = 0; j < 8; j++) slots[j] = slot_of(table, t + j, bs);
+    if (t + 8 + PREFETCH_AHEAD < hi)
+        for (int j = 0; j < 8; j++) prefetch_heads(s, slot_of(table, t + 8 + PREFETCH_AHEAD + j, bs), Hkv, r, D);
+}
+
 static void attend_items(void* ctx, uint32_t begin, uint32_t end) {
     const Attend* a = ctx;
     const Layer* L = a->layer;
@@ -177,9 +185,7 @@ static void attend_items(void* ctx, uint32_t begin, uint32_t end) {
         if (D % 8 == 0)
             for (; t + 8 <= hi; t += 8) {
                 int64_t slots[8];
-                for (int j = 0; j < 8; j++) slots[j] = slot_of(table, t + j, bs);
-                if (t + 8 + PREFETCH_AHEAD < hi)
-                    for (int j = 0; j < 8; j++) prefetch_heads(&S->k, slot_of(table, t + 8 + PREFETCH_AHEAD + j, bs), Hkv, &r, D);
+                eight_slots(&S->k, table, t, hi, bs, Hkv, &r, D, slots);
                 for (int64_t g = r.g0; g < r.g1; g++) {
                     const float* k[8];
                     for (int j = 0; j < 8; j++) k[j] = decode_vector(&S->k, slots[j] * Hkv + g, D, kbuf8 + j * D);
@@ -225,9 +231,7 @@ static void attend_items(void* ctx, uint32_t begin, uint32_t end) {
         if (D % 8 == 0)
             for (; t + 8 <= hi; t += 8) {
                 int64_t slots[8];
-                for (int j = 0; j < 8; j++) slots[j] = slot_of(table, t + j, bs);
-                if (t + 8 + PREFETCH_AHEAD < hi)
-                    for (int j = 0; j < 8; j++) prefetch_heads(&S->v, slot_of(table, t + 8 + PREFETCH_AHEAD + j, bs), Hkv, &r, D);
+                eight_slots(&S->v, table, t, hi, bs, Hkv, &r, D, slots);
                 for (int64_t g = r.g0; g < r.g1; g++) {
                     const float* v[8];
                     for (int j = 0; j < 8; j++) v[j] = decode_vector(&S->v, slots[j] * Hkv + g, D, kbuf8 + j * D);

@@ -295,9 +295,9 @@ def gated_act(gate_up: torch.Tensor, intermediate: int, activation_id: int) -> t
 
 
 def argmax_rows(x: torch.Tensor, threads: int) -> torch.Tensor | None:
-    """Each row's argmax of x [rows, n] float32 on a CPU, as `x.max(dim=-1).indices` (the first of the
-    largest, a NaN the largest); None where the kernels are off or x is not such a tensor."""
-    if x.dtype != torch.float32 or x.dim() != 2 or x.device.type != "cpu" or x.shape[1] == 0:
+    """Each row's argmax of x [rows, n] float32, as `x.max(dim=-1).indices` (the first of the largest, a
+    NaN the largest); None where the kernels are off or x is not such a tensor."""
+    if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] == 0:
         return None
     _ensure_loaded()
     if not _ops:
