@@ -120,21 +120,34 @@ def test_interleaved_parts_take_prompt_sized_passes_and_refuse_dequantizing():
     y = quant.packed_linear(x, [part], 24)
     ref = rounded(x, 32).astype(np.float64) @ w.astype(np.float64).T
     assert np.abs(y.double().numpy() - ref).max() / np.abs(ref).max() <= 1e-5
+    # a prompt over wide rows goes in passes of rows whose activations stay in L2 (48 rows at 8,192
+    # inputs): the same bits as each row alone
+    wide, w = interleaved("Q8_0", 20, 8192, seed=2)
+    x = torch.randn(100, 8192, generator=torch.Generator().manual_seed(4))
+    y = quant.packed_linear(x, [wide], 20)
+    ref = rounded(x, 32).astype(np.float64) @ w.astype(np.float64).T
+    assert np.abs(y.double().numpy() - ref).max() / np.abs(ref).max() <= 1e-5
+    for i in (0, 47, 48, 99):
+        assert torch.equal(quant.packed_linear(x[i : i + 1], [wide], 20), y[i : i + 1]), i
     with pytest.raises(ValueError):
         quant.dequantize(part)
     assert quant.interleave(PackedTensor("F16", (4, 8), torch.zeros(4, 16, dtype=torch.uint8))) is None
 
 
-_NARROWER = {"avx2": ["-mno-avx512f"], "portable": ["-mno-avx512f", "-mno-avx2", "-mno-fma"]}
+_NO_AMX = ["-mno-amx-tile", "-mno-amx-int8", "-mno-amx-bf16"]
+_NARROWER = {"vnni": _NO_AMX, "avx2": ["-mno-avx512f", *_NO_AMX], "portable": ["-mno-avx512f", "-mno-avx2", "-mno-fma", *_NO_AMX]}
+_NEEDS = {"vnni": "amx_int8", "avx2": "avx512_vnni"}  # a narrower build than this machine's only where this one has it
 
 
 @pytest.fixture(scope="module", params=sorted(_NARROWER))
 def portable(request, tmp_path_factory):
-    """The kernels built for a narrower machine than this one: without AVX-512 (quant_i8.c's AVX2
-    products, where this machine has VNNI), or without AVX2 too (its plain C loop)."""
+    """The kernels built for a narrower machine than this one: without AMX (quant_i8.c's VNNI products
+    for every row, where this machine has AMX tiles), without AVX-512 (its AVX2 products, where this
+    machine has VNNI), or without AVX2 too (its plain C loop)."""
     compiler = shutil.which("cc") or shutil.which("gcc")
-    if compiler is None or (request.param == "avx2" and "avx512_vnni" not in Path("/proc/cpuinfo").read_text(errors="ignore")):
-        pytest.skip("no compiler, or no AVX-512 VNNI here: the machine's own build is the AVX2 one")
+    needs = _NEEDS.get(request.param)
+    if compiler is None or (needs and needs not in Path("/proc/cpuinfo").read_text(errors="ignore")):
+        pytest.skip(f"no compiler, or no {needs} here: this machine's own build is the narrower one")
     here = Path(quant.__file__).parent
     target = tmp_path_factory.mktemp(request.param) / "quant.so"
     sources = [str(here / name) for name in ("quant.c", "quant_i8.c", "pool.c")]
@@ -150,11 +163,12 @@ def portable(request, tmp_path_factory):
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_the_narrower_builds_give_this_machines_bits(portable, fmt):
     """The same integers and the same float operations per output, in the same order: equal bits
-    (VNNI, AVX2 and the plain loop alike)."""
+    (AMX tiles, VNNI, AVX2 and the plain loop alike), at 5 rows and at 40 (two tiles of 16 and 8 more)."""
     out, n = shapes(fmt)[1]
     part, _ = interleaved(fmt, out, n, seed=2)
-    x = torch.randn(5, n, generator=torch.Generator().manual_seed(1))
-    y = torch.empty(5, out)
     fid = quant._format_ids()[part.fmt]
-    assert portable.kvlab_quant_matmul(fid, part.data.data_ptr(), 0, x.data_ptr(), y.data_ptr(), 5, n, out, out, 2) == 0
-    assert torch.equal(y, quant.packed_linear(x, [part], out))
+    for rows in (5, 40):
+        x = torch.randn(rows, n, generator=torch.Generator().manual_seed(rows))
+        y = torch.empty(rows, out)
+        assert portable.kvlab_quant_matmul(fid, part.data.data_ptr(), 0, x.data_ptr(), y.data_ptr(), rows, n, out, out, 2) == 0
+        assert torch.equal(y, quant.packed_linear(x, [part], out)), rows

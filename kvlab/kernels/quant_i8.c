@@ -352,6 +352,8 @@ typedef struct {
     float* y;
     int64_t m, groups, ldy, out;
     int64_t ahead;  // bytes from an item to the one its first pass asks for meanwhile (0: none; see ahead_bytes)
+    int amx;        // 16 rows at a time on AMX tiles (where built, granted and m ≥ 16)
+    int64_t begin, end;  // the rows this pass computes (of the m the activations hold)
 } Product;
 
 // A kernel's layout as constants (NIB: 4-bit codes; NW: code registers per group, 4 or 8; MIN; KQ: integer
@@ -380,7 +382,7 @@ static inline __attribute__((always_inline)) void item_rows(const Product* p, co
         const uint8_t* head = item + b / G * (HB + G * CB);
         const uint8_t* g = head + HB + gi * CB;
         const XBlock* xs = p->xq + b * p->m + i0;
-        if (p->ahead && i0 == 0)  // an item further on, its lines spread over this item's groups
+        if (p->ahead && i0 == p->begin)  // an item further on, its lines spread over this item's groups
             for (int64_t line = b * ib / p->groups / 64 * 64; line < (b + 1) * ib / p->groups; line += 64)
                 _mm_prefetch((const char*)item + p->ahead + line, _MM_HINT_T0);
         __m512i w[8];
@@ -437,19 +439,171 @@ LAYOUT_ROWS(8)
 static void (*const ROWS_OF[MTILE])(const Product*, const uint8_t*, int64_t, __m512*) = {
     rows_1, rows_2, rows_3, rows_4, rows_5, rows_6, rows_7, rows_8};
 
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__linux__)
+// Intel AMX: one TDPBSUD multiplies a 16-row tile of activations (signed) by a group's codes (unsigned)
+// into 16 × 16 int32 sums, the very integers the vpdpbusd above make (exact in any order), in the time
+// of a few of them. The group's codes are already a tile's rows: register k, lane r ↔ tile row k, row r's
+// 4 bytes (4-bit codes are split into two 8-bit rows first); the activations' XBlocks are a tile's rows,
+// 64 bytes apart. The sums go out to L1 and take item_rows' float operations in its order: the same
+// bits as a row alone through item_rows. 16 rows at a time; fewer go the VNNI way.
+#include <sys/syscall.h>
+#include <unistd.h>
+#define AMX 1
+#define AMX_M 16  // activation rows per tile
+#define AMX_GROUPS 4  // groups in flight: their sums in tiles 0-3; activations in 4, 5; codes in 6, 7
+// The tiles' loads wait for memory in line, so an item's first 16 rows ask for the codes 4 KB on
+// (Qwen2.5-Coder-0.5B's products at 16 rows, a decode step's: 50.2 -> 43.4 ms; 8 or 16 KB on, or into
+// L1: 47-50)
+#define AMX_AHEAD 4096
+
+static int amx_granted = -1;  // -1: not asked yet; the OS's leave to use the tiles' 8 KB of state
+
+static int amx_available(void) {
+    if (amx_granted < 0)  // ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA: the process's threads, once
+        amx_granted = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+    return amx_granted;
+}
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} TileConfig;
+
+static void amx_configure(const Layout* l) {
+    TileConfig c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int t = 0; t < 8; t++) c.rows[t] = AMX_M, c.colsb[t] = 64;
+    c.colsb[4] = c.colsb[5] = (uint16_t)l->S;         // a sub-block of activations a row
+    c.rows[6] = c.rows[7] = (uint8_t)(l->S / 4);      // a group's code registers
+    __asm__ volatile("" : : "r"(&c) : "memory");      // GCC otherwise drops the stores the load reads
+    _tile_loadconfig(&c);
+}
+
+// Tile T (0-3) gets a group's sums: activations into tile A, codes (64 bytes a row) into B
+#define AMX_PRODUCT(T, A, B, xs, codes)                        \
+    do {                                                       \
+        _tile_zero(T);                                         \
+        _tile_loadd(A, (const void*)(xs), sizeof(XBlock));     \
+        _tile_loadd(B, (const void*)(codes), 64);              \
+        _tile_dpbsud(T, A, B);                                 \
+    } while (0)
+
+// Groups b0 .. b0 + 3 (those there are) of an item through the tiles, their sums out to sums[0..3]
+static inline __attribute__((always_inline)) void amx_sums(const Product* p, const uint8_t* item, int64_t i0,
+                                                           int64_t b0, const int NIB, const int G, const int HB,
+                                                           const int CB, int64_t ib, int32_t (*sums)[AMX_M * LANES],
+                                                           uint8_t (*split)[8 * 64]) {
+    const int nb = p->groups - b0 < AMX_GROUPS ? (int)(p->groups - b0) : AMX_GROUPS;
+    const __m512i low4 = _mm512_set1_epi8(15);
+    const uint8_t* codes[AMX_GROUPS];
+    for (int j = 0; j < nb; j++) {
+        const int64_t b = b0 + j;
+        codes[j] = item + b / G * (HB + G * CB) + HB + (b % G) * CB;
+        if (i0 == p->begin)  // into L2, the lines AMX_AHEAD bytes on (into the next item near an item's end)
+            for (int line = 0; line < CB; line += 64) _mm_prefetch((const char*)codes[j] + AMX_AHEAD + line, _MM_HINT_T1);
+        if (NIB) {  // rows 0-3: the low halves (codes 0..15), rows 4-7: the high ones (16..31)
+            for (int k = 0; k < 4; k++) {
+                const __m512i v = _mm512_loadu_si512(codes[j] + 64 * k);
+                _mm512_store_si512(split[j] + 64 * k, _mm512_and_si512(v, low4));
+                _mm512_store_si512(split[j] + 64 * (k + 4), _mm512_and_si512(_mm512_srli_epi16(v, 4), low4));
+            }
+            codes[j] = split[j];
+        }
+    }
+    const XBlock* xs = p->xq + b0 * p->m + i0;
+    // the products first, then their stores: a store waits for its product, and the tiles' work goes
+    // in order
+    AMX_PRODUCT(0, 4, 6, xs, codes[0]);
+    if (nb > 1) AMX_PRODUCT(1, 5, 7, xs + p->m, codes[1]);
+    if (nb > 2) AMX_PRODUCT(2, 4, 6, xs + 2 * p->m, codes[2]);
+    if (nb > 3) AMX_PRODUCT(3, 5, 7, xs + 3 * p->m, codes[3]);
+    _tile_stored(0, sums[0], 64);
+    if (nb > 1) _tile_stored(1, sums[1], 64);
+    if (nb > 2) _tile_stored(2, sums[2], 64);
+    if (nb > 3) _tile_stored(3, sums[3], 64);
+}
+
+static inline __attribute__((always_inline)) void amx_rows(const Product* p, const uint8_t* item, int64_t i0,
+                                                           const int NIB, const int NW, const int MIN,
+                                                           const int KQ, __m512* acc) {
+    const int G = GROUPS_PER_SUPER(NIB, NW, KQ), HB = HEAD_BYTES(KQ, G, MIN), CB = CODE_BYTES(NIB, NW);
+    // two sets, so that the tiles make the next groups' sums while this set's are scaled
+    int32_t sums[2][AMX_GROUPS][AMX_M * LANES] __attribute__((aligned(64)));
+    uint8_t split[2][AMX_GROUPS][8 * 64] __attribute__((aligned(64)));  // 4-bit codes as 8-bit tile rows
+    __m512 a[AMX_M];  // in registers: acc is memory the tiles' stores could alias
+    for (int i = 0; i < AMX_M; i++) a[i] = _mm512_setzero_ps();
+    const int64_t ib = p->groups / G * (HB + G * CB) + (p->groups % G ? HB + p->groups % G * CB : 0);
+    amx_sums(p, item, i0, 0, NIB, G, HB, CB, ib, sums[0], split[0]);
+    for (int64_t b0 = 0, set = 0; b0 < p->groups; b0 += AMX_GROUPS, set ^= 1) {
+        if (b0 + AMX_GROUPS < p->groups)
+            amx_sums(p, item, i0, b0 + AMX_GROUPS, NIB, G, HB, CB, ib, sums[set ^ 1], split[set ^ 1]);
+        const int nb = p->groups - b0 < AMX_GROUPS ? (int)(p->groups - b0) : AMX_GROUPS;
+        for (int j = 0; j < nb; j++) {
+            const int64_t b = b0 + j;
+            const int gi = (int)(b % G);
+            const uint8_t* head = item + b / G * (HB + G * CB);
+            const XBlock* x = p->xq + b * p->m + i0;
+            const int32_t* sj = sums[set][j];
+            __m512 scale, min = _mm512_setzero_ps();  // as item_rows'
+            if (KQ) {
+                const float* d = (const float*)(head + D_AT(G, MIN));
+                scale = int8_times16(head + SCALE_AT(KQ, gi), d);
+                if (MIN) min = int8_times16(head + MIN_AT(KQ, G, gi), d + LANES);
+            } else {
+                scale = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(head + SCALE_AT(KQ, gi))));
+                if (MIN) min = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(head + MIN_AT(KQ, G, gi))));
+            }
+#pragma GCC unroll 16
+            for (int i = 0; i < AMX_M; i++) {
+                const __m512i s = _mm512_add_epi32(_mm512_load_si512(sj + LANES * i), _mm512_set1_epi32(x[i].neg_off));
+                a[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(scale, _mm512_set1_ps(x[i].dx)), a[i]);
+                if (MIN) a[i] = _mm512_fmadd_ps(min, _mm512_set1_ps(x[i].dx_sum), a[i]);
+            }
+        }
+    }
+    for (int i = 0; i < AMX_M; i++) acc[i] = a[i];
+}
+
+static void amx_item(const Product* p, const uint8_t* item, int64_t i0, __m512* acc) {
+    const Layout* l = &p->l;
+    if (l->nibble && l->kq) amx_rows(p, item, i0, 1, 8, 1, 1, acc);
+    else if (l->nibble && l->has_min) amx_rows(p, item, i0, 1, 8, 1, 0, acc);
+    else if (l->nibble) amx_rows(p, item, i0, 1, 8, 0, 0, acc);
+    else if (l->S == 16) amx_rows(p, item, i0, 0, 4, 0, 1, acc);
+    else if (l->has_min) amx_rows(p, item, i0, 0, 8, 1, 1, acc);
+    else amx_rows(p, item, i0, 0, 8, 0, 0, acc);
+}
+#endif
+
 static void items(void* ctx, uint32_t begin, uint32_t end) {
     const Product* p = ctx;
     const int64_t ib = item_bytes(&p->l, p->groups);
+#if defined(AMX)
+    if (p->amx) amx_configure(&p->l);  // a thread's own tiles, set for this call's format
+#endif
     for (int64_t it = begin; it < end; it++) {
         const int64_t o0 = it * LANES;
         const __mmask16 keep = p->out - o0 >= LANES ? 0xFFFF : (__mmask16)((1u << (p->out - o0)) - 1);
-        for (int64_t i = 0; i < p->m; i += MTILE) {
+        int64_t i = p->begin;
+#if defined(AMX)
+        for (; p->amx && p->end - i >= AMX_M; i += AMX_M) {
+            __m512 acc[AMX_M];
+            amx_item(p, p->w + it * ib, i, acc);
+            for (int k = 0; k < AMX_M; k++) _mm512_mask_storeu_ps(p->y + (i + k) * p->ldy + o0, keep, acc[k]);
+        }
+#endif
+        for (; i < p->end; i += MTILE) {
             __m512 acc[MTILE];
-            const int M = p->m - i < MTILE ? (int)(p->m - i) : MTILE;
+            const int M = p->end - i < MTILE ? (int)(p->end - i) : MTILE;
             ROWS_OF[M - 1](p, p->w + it * ib, i, acc);
             for (int k = 0; k < M; k++) _mm512_mask_storeu_ps(p->y + (i + k) * p->ldy + o0, keep, acc[k]);
         }
     }
+#if defined(AMX)
+    if (p->amx) _tile_release();
+#endif
 }
 #elif defined(DOT2)
 // AVX2 has no vpdpbusd: vpmaddubsw multiplies codes by x in pairs into 16-bit sums, which add up in 16
@@ -566,8 +720,8 @@ static void items(void* ctx, uint32_t begin, uint32_t end) {
     for (int64_t it = begin; it < end; it++) {
         const int64_t o0 = it * LANES;
         const int rows = p->out - o0 >= LANES ? LANES : (int)(p->out - o0);
-        for (int64_t i = 0; i < p->m; i += MT2) {
-            const int M = p->m - i < MT2 ? (int)(p->m - i) : MT2, H = M <= 2 && rows > 8 ? 2 : 1;
+        for (int64_t i = p->begin; i < p->end; i += MT2) {
+            const int M = p->end - i < MT2 ? (int)(p->end - i) : MT2, H = M <= 2 && rows > 8 ? 2 : 1;
             for (int h0 = 0; h0 < 2 && 8 * h0 < rows; h0 += H) {
                 __m256 acc[MT2];
                 (H == 2 ? BOTH_HALVES_OF : HALF_ROWS_OF)[M - 1](p, p->w + it * ib, i, h0, acc);
@@ -595,7 +749,7 @@ static void items(void* ctx, uint32_t begin, uint32_t end) {
     for (int64_t it = begin; it < end; it++) {
         const int64_t o0 = it * LANES;
         const int rows = p->out - o0 >= LANES ? LANES : (int)(p->out - o0);
-        for (int64_t i = 0; i < p->m; i++)
+        for (int64_t i = p->begin; i < p->end; i++)
             for (int r = 0; r < rows; r++) {
                 float acc = 0;
                 for (int64_t b = 0; b < p->groups; b++) {
@@ -631,6 +785,24 @@ static int64_t ahead_bytes(const Layout* l, int64_t m, int64_t groups, int64_t o
     return m >= 4 && (out + LANES - 1) / LANES * ib > (16 << 20) ? 2 * ib : 0;
 }
 
+// Whether the rows go 16 at a time on AMX tiles: built for them, the OS's leave, and 16 rows or more
+static int tiles_for(int64_t m) {
+#if defined(AMX)
+    return m >= AMX_M && amx_available();
+#else
+    (void)m;
+    return 0;
+#endif
+}
+
+// Rows a pass over the matrix takes: a prompt's activations (64 bytes a sub-block and row) in passes
+// that stay in L2 (about 768 KB) while every item reads them, rather than each item streaming them all
+// from L3 (Qwen2.5's 4,864-wide down projection at 512 rows: 5 MB a pass). A multiple of 16 rows.
+static int64_t pass_rows(int64_t m, int64_t groups) {
+    const int64_t fit = (768 << 10) / (groups * (int64_t)sizeof(XBlock)) / 16 * 16;
+    return fit < 16 ? 16 : fit > m ? m : fit;
+}
+
 // Items a thread claims at a time: CHUNK one-row items' work, so that at a batch's rows, where an item
 // costs m times as much, the last claims do not leave one thread computing while the other waits
 static uint32_t claim_size(int64_t m) { return m >= CHUNK ? 1 : (uint32_t)(CHUNK / m); }
@@ -646,8 +818,12 @@ int kvlab_i8_matmul(int fmt, const uint8_t* w, const float* x, float* y, int64_t
     XBlock* xq = aligned_alloc(64, m * groups * sizeof(XBlock));
     if (!xq) return -2;
     quantize_rows(x, m, n, &l, xq);
-    Product p = {l, w, xq, y, m, groups, ldy, out, ahead_bytes(&l, m, groups, out)};
-    kvlab_pool_run(items, &p, (uint32_t)((out + LANES - 1) / LANES), claim_size(m), threads);
+    const int64_t step = pass_rows(m, groups);
+    for (int64_t i = 0; i < m; i += step) {
+        Product p = {l, w, xq, y, m, groups, ldy, out, ahead_bytes(&l, m, groups, out), tiles_for(m), i,
+                     m - i < step ? m : i + step};
+        kvlab_pool_run(items, &p, (uint32_t)((out + LANES - 1) / LANES), claim_size(m), threads);
+    }
     free(xq);
     return 0;
 }
@@ -680,7 +856,8 @@ int kvlab_i8_matmul_parts(int num, const int* fmt, const uint8_t* const* w, cons
             quantize_rows(x, m, n, &l[j], xq[j]);
             shared = xq[j];
         }
-        p[j] = (Product){l[j], w[j], shared, y + column, m, groups, ldy, out[j], ahead_bytes(&l[j], m, groups, out[j])};
+        p[j] = (Product){l[j], w[j], shared, y + column, m, groups, ldy, out[j], ahead_bytes(&l[j], m, groups, out[j]),
+                           tiles_for(m), 0, m};
         jobs.task[j] = items, jobs.ctx[j] = &p[j];
         jobs.first[j + 1] = jobs.first[j] + (uint32_t)((out[j] + LANES - 1) / LANES);
         column += out[j];
