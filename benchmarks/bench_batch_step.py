@@ -21,9 +21,10 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import kvlab  # noqa: E402,F401  (before torch: its OpenMP settings, kvlab/__init__.py)
+import torch  # noqa: E402
 
 from kvlab import LLM, SamplingParams  # noqa: E402
 from kvlab.kernels import quant  # noqa: E402

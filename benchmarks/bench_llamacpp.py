@@ -63,6 +63,7 @@ def peak_rss() -> int:
 
 def kvlab_worker(model: str, ids: dict[int, list[int]], threads: int, activation_quant: str | None = None) -> dict:
     sys.path.insert(0, str(ROOT))
+    import kvlab  # noqa: F401  (before torch: its OpenMP settings, kvlab/__init__.py)
     import torch
 
     from kvlab import LLM, SamplingParams

@@ -26,9 +26,10 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import kvlab  # noqa: E402,F401  (before torch: its OpenMP settings, kvlab/__init__.py)
+import torch  # noqa: E402
 
 from kvlab.bench.serve import Workload, run_in_process  # noqa: E402
 from kvlab.config import EngineConfig  # noqa: E402
