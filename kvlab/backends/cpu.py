@@ -61,6 +61,13 @@ class CpuDecodeBackend:
                          max(getattr(a, "num_kv_heads", 0) for a in attns), max(getattr(a, "head_dim", 0) for a in attns),
                          max(getattr(layer.mlp, "inner", layer.mlp).intermediate_size for layer in model.layers))  # fmt: skip
         self.hybrid = any(d.deltanet for d in layers)
+        # Products over GGUF blocks take any number of rows in the kernels (quant.c, quant_i8.c), so a
+        # step of more sequences than the policy's max_kernel_rows stays here; a float matrix past it
+        # wants BLAS (at 33-64 rows 1.3-2.5x faster than gemv.c), which the C step does not call.
+        # SmolLM2 at 64 sequences: 81 -> 47 ms a step with int8 activations, 115 -> 86 exact.
+        from kvlab.model.layers import Linear
+
+        self.any_rows = not any(isinstance(m, Linear) for m in model.layers.modules())
         self.mixer_floats = max(self._mixer_floats(d) for d in layers)  # Step.mixer_scratch per row of a step
 
     @classmethod
@@ -103,7 +110,8 @@ class CpuDecodeBackend:
         from kvlab.model.attention import sdpa_attention
 
         tokens = input_ids.shape[1]
-        if not isinstance(meta, PagedMetadata) or not policy.kernel_sized(tokens) or self.cache_reason(cache):
+        sized = policy.kernel_sized(tokens) or (self.any_rows and policy.use_kernels and tokens > 0)
+        if not isinstance(meta, PagedMetadata) or not sized or self.cache_reason(cache):
             return False
         if any(attn.attend is not sdpa_attention for attn in self._attentions):
             return False  # the lab's set_attention since
