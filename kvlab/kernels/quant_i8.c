@@ -370,6 +370,19 @@ static inline __m512 int8_times16(const uint8_t* sc, const float* d) {  // 16 in
     return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)), _mm512_loadu_ps(d));
 }
 
+// Group gi's 16 lanes' scales (and mins, else zeros) from its super-block's head: lane_scale's numbers
+static inline __attribute__((always_inline)) __m512 group_scales(const uint8_t* head, int gi, const int G, const int MIN,
+                                                                 const int KQ, __m512* min) {
+    *min = _mm512_setzero_ps();
+    if (!KQ) {
+        if (MIN) *min = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(head + MIN_AT(KQ, G, gi))));
+        return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(head + SCALE_AT(KQ, gi))));
+    }
+    const float* d = (const float*)(head + D_AT(G, MIN));
+    if (MIN) *min = int8_times16(head + MIN_AT(KQ, G, gi), d + LANES);
+    return int8_times16(head + SCALE_AT(KQ, gi), d);
+}
+
 static inline __attribute__((always_inline)) void item_rows(const Product* p, const uint8_t* item, int64_t i0,
                                                             const int M, const int NIB, const int NW, const int MIN,
                                                             const int KQ, __m512* acc) {
@@ -400,15 +413,8 @@ static inline __attribute__((always_inline)) void item_rows(const Product* p, co
         for (int k = 0; k < NW; k++)
 #pragma GCC unroll 8
             for (int i = 0; i < M; i++) s[i] = _mm512_dpbusd_epi32(s[i], w[k], _mm512_set1_epi32(xs[i].q[k]));
-        __m512 scale, min = _mm512_setzero_ps();  // the 16 lanes' scales (and mins): lane_scale's numbers
-        if (KQ) {
-            const float* d = (const float*)(head + D_AT(G, MIN));
-            scale = int8_times16(head + SCALE_AT(KQ, gi), d);
-            if (MIN) min = int8_times16(head + MIN_AT(KQ, G, gi), d + LANES);
-        } else {
-            scale = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(head + SCALE_AT(KQ, gi))));
-            if (MIN) min = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(head + MIN_AT(KQ, G, gi))));
-        }
+        __m512 min;
+        const __m512 scale = group_scales(head, gi, G, MIN, KQ, &min);
 #pragma GCC unroll 8
         for (int i = 0; i < M; i++) {
             const XBlock* x = xs + i;
@@ -493,7 +499,7 @@ static void amx_configure(const Layout* l) {
 // Groups b0 .. b0 + 3 (those there are) of an item through the tiles, their sums out to sums[0..3]
 static inline __attribute__((always_inline)) void amx_sums(const Product* p, const uint8_t* item, int64_t i0,
                                                            int64_t b0, const int NIB, const int G, const int HB,
-                                                           const int CB, int64_t ib, int32_t (*sums)[AMX_M * LANES],
+                                                           const int CB, int32_t (*sums)[AMX_M * LANES],
                                                            uint8_t (*split)[8 * 64]) {
     const int nb = p->groups - b0 < AMX_GROUPS ? (int)(p->groups - b0) : AMX_GROUPS;
     const __m512i low4 = _mm512_set1_epi8(15);
@@ -534,11 +540,10 @@ static inline __attribute__((always_inline)) void amx_rows(const Product* p, con
     uint8_t split[2][AMX_GROUPS][8 * 64] __attribute__((aligned(64)));  // 4-bit codes as 8-bit tile rows
     __m512 a[AMX_M];  // in registers: acc is memory the tiles' stores could alias
     for (int i = 0; i < AMX_M; i++) a[i] = _mm512_setzero_ps();
-    const int64_t ib = p->groups / G * (HB + G * CB) + (p->groups % G ? HB + p->groups % G * CB : 0);
-    amx_sums(p, item, i0, 0, NIB, G, HB, CB, ib, sums[0], split[0]);
+    amx_sums(p, item, i0, 0, NIB, G, HB, CB, sums[0], split[0]);
     for (int64_t b0 = 0, set = 0; b0 < p->groups; b0 += AMX_GROUPS, set ^= 1) {
         if (b0 + AMX_GROUPS < p->groups)
-            amx_sums(p, item, i0, b0 + AMX_GROUPS, NIB, G, HB, CB, ib, sums[set ^ 1], split[set ^ 1]);
+            amx_sums(p, item, i0, b0 + AMX_GROUPS, NIB, G, HB, CB, sums[set ^ 1], split[set ^ 1]);
         const int nb = p->groups - b0 < AMX_GROUPS ? (int)(p->groups - b0) : AMX_GROUPS;
         for (int j = 0; j < nb; j++) {
             const int64_t b = b0 + j;
@@ -546,15 +551,8 @@ static inline __attribute__((always_inline)) void amx_rows(const Product* p, con
             const uint8_t* head = item + b / G * (HB + G * CB);
             const XBlock* x = p->xq + b * p->m + i0;
             const int32_t* sj = sums[set][j];
-            __m512 scale, min = _mm512_setzero_ps();  // as item_rows'
-            if (KQ) {
-                const float* d = (const float*)(head + D_AT(G, MIN));
-                scale = int8_times16(head + SCALE_AT(KQ, gi), d);
-                if (MIN) min = int8_times16(head + MIN_AT(KQ, G, gi), d + LANES);
-            } else {
-                scale = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(head + SCALE_AT(KQ, gi))));
-                if (MIN) min = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(head + MIN_AT(KQ, G, gi))));
-            }
+            __m512 min;
+            const __m512 scale = group_scales(head, gi, G, MIN, KQ, &min);
 #pragma GCC unroll 16
             for (int i = 0; i < AMX_M; i++) {
                 const __m512i s = _mm512_add_epi32(_mm512_load_si512(sj + LANES * i), _mm512_set1_epi32(x[i].neg_off));
