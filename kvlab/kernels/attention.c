@@ -186,6 +186,14 @@ static void attend_items(void* ctx, uint32_t begin, uint32_t end) {
             for (; t + 8 <= hi; t += 8) {
                 int64_t slots[8];
                 eight_slots(&S->k, table, t, hi, bs, Hkv, &r, D, slots);
+                // the eight keys' value rows on their way to L2 while the keys are scored, so that the
+                // values' pass over the chunk finds them there, not in memory (SmolLM2's shape, 30 layers,
+                // 2 threads: 16 sequences over 256 keys 12.8 -> 10.4 ms, 64 sequences 56.5 -> 49.5)
+                for (int j = 0; j < 8; j++)
+                    for (int64_t g = r.g0; g < r.g1; g++) {
+                        const char* c = (const char*)S->v.codes + (slots[j] * Hkv + g) * code_bytes(S->v.fmt, D);
+                        for (int64_t off = 0; off < code_bytes(S->v.fmt, D); off += 64) __builtin_prefetch(c + off, 0, 2);
+                    }
                 for (int64_t g = r.g0; g < r.g1; g++) {
                     const float* k[8];
                     for (int j = 0; j < 8; j++) k[j] = decode_vector(&S->k, slots[j] * Hkv + g, D, kbuf8 + j * D);
