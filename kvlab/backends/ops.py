@@ -113,6 +113,7 @@ class TorchOps:
         as `argmax(dim=-1)` gives it, through `max`, whose CPU reduction is 2-3x faster over a batch's rows."""
         return logits.max(dim=-1).indices
 
+
 class CudaOps(TorchOps):
     """CUDA: PyTorch's code, GGUF blocks kept on the device. A CUDA fast path overrides methods here."""
 

@@ -147,14 +147,20 @@ static inline void prefetch_heads(const KVStore* s, int64_t slot, int64_t Hkv, c
 }
 
 // The cache slots of keys t .. t + 7, and the rows of the eight after PREFETCH_AHEAD more on their way
-static inline void eight_slots(const KVStore* s, const int64_t* table, int64_t t, int64_t hi, int64_t bs, int64_t Hkv,
-                               const Heads* r, int64_t D, int64_t* slots) {
+// (those before ahead_hi)
+static inline void eight_slots(const KVStore* s, const int64_t* table, int64_t t, int64_t ahead_hi, int64_t bs,
+                               int64_t Hkv, const Heads* r, int64_t D, int64_t* slots) {
     for (int j = 0; j < 8; j++) slots[j] = slot_of(table, t + j, bs);
-    if (t + 8 + PREFETCH_AHEAD < hi)
+    if (t + 8 + PREFETCH_AHEAD < ahead_hi)
         for (int j = 0; j < 8; j++) prefetch_heads(s, slot_of(table, t + 8 + PREFETCH_AHEAD + j, bs), Hkv, r, D);
 }
 
-static void attend_items(void* ctx, uint32_t begin, uint32_t end) {
+// AHEAD: the rows of keys (and values) further on are asked for while these are read. Two compiled
+// forms (attend_ahead, attend_in_cache), chosen per step in kvlab_decode_attention: in a step of several
+// sequences and many keys, whose cache comes from memory, asking ahead pays (SmolLM2's shape, 30 layers,
+// 2 threads: 16 sequences over 256 keys 13.4-13.8 -> 9.3-10.5 ms, 64 over 256 58.4 -> 43.2); where the
+// cache mostly sits in the caches (one sequence, or 16 over 70 keys) the form without it was 5-10% faster.
+static inline __attribute__((always_inline)) void attend(void* ctx, uint32_t begin, uint32_t end, const int AHEAD) {
     const Attend* a = ctx;
     const Layer* L = a->layer;
     const Step* S = a->step;
@@ -174,6 +180,7 @@ static void attend_items(void* ctx, uint32_t begin, uint32_t end) {
         const int64_t start = c * CHUNK_KEYS, hi = start + CHUNK_KEYS < n ? start + CHUNK_KEYS : n;
         if (start >= n || hi <= first) continue;  // past this sequence's keys, or before its window (merge skips it)
         const int64_t lo = start > first ? start : first;  // a window may begin inside the chunk
+        const int64_t ahead_hi = AHEAD ? hi : 0;  // keys up to which rows are asked for ahead
         const int64_t* table = S->block_tables + b * S->table_stride;
         const float* q = a->qkv + b * qkv_row;       // H query heads, kv head g's group at g · group
         float* scores = a->scores + b * H * stride;  // row h: head h's scores
@@ -185,15 +192,11 @@ static void attend_items(void* ctx, uint32_t begin, uint32_t end) {
         if (D % 8 == 0)
             for (; t + 8 <= hi; t += 8) {
                 int64_t slots[8];
-                eight_slots(&S->k, table, t, hi, bs, Hkv, &r, D, slots);
+                eight_slots(&S->k, table, t, ahead_hi, bs, Hkv, &r, D, slots);
                 // the eight keys' value rows on their way to L2 while the keys are scored, so that the
-                // values' pass over the chunk finds them there, not in memory (SmolLM2's shape, 30 layers,
-                // 2 threads: 16 sequences over 256 keys 12.8 -> 10.4 ms, 64 sequences 56.5 -> 49.5)
-                for (int j = 0; j < 8; j++)
-                    for (int64_t g = r.g0; g < r.g1; g++) {
-                        const char* c = (const char*)S->v.codes + (slots[j] * Hkv + g) * code_bytes(S->v.fmt, D);
-                        for (int64_t off = 0; off < code_bytes(S->v.fmt, D); off += 64) __builtin_prefetch(c + off, 0, 2);
-                    }
+                // values' pass over the chunk finds them there, not in memory
+                for (int j = 0; ahead_hi && j < 8; j++)
+                    for (int64_t g = r.g0; g < r.g1; g++) prefetch_vector_to(&S->v, slots[j] * Hkv + g, D, 1);
                 for (int64_t g = r.g0; g < r.g1; g++) {
                     const float* k[8];
                     for (int j = 0; j < 8; j++) k[j] = decode_vector(&S->k, slots[j] * Hkv + g, D, kbuf8 + j * D);
@@ -203,7 +206,7 @@ static void attend_items(void* ctx, uint32_t begin, uint32_t end) {
             }
         for (; t < hi; t++) {
             const int64_t slot = slot_of(table, t, bs);
-            if (t + PREFETCH_AHEAD < hi) prefetch_heads(&S->k, slot_of(table, t + PREFETCH_AHEAD, bs), Hkv, &r, D);
+            if (t + PREFETCH_AHEAD < ahead_hi) prefetch_heads(&S->k, slot_of(table, t + PREFETCH_AHEAD, bs), Hkv, &r, D);
             for (int64_t g = r.g0; g < r.g1; g++) {
                 const float* k = decode_vector(&S->k, slot * Hkv + g, D, kbuf);
                 for (int64_t h = heads_lo(&r, g, group); h < heads_hi(&r, g, group); h++)
@@ -239,7 +242,7 @@ static void attend_items(void* ctx, uint32_t begin, uint32_t end) {
         if (D % 8 == 0)
             for (; t + 8 <= hi; t += 8) {
                 int64_t slots[8];
-                eight_slots(&S->v, table, t, hi, bs, Hkv, &r, D, slots);
+                eight_slots(&S->v, table, t, ahead_hi, bs, Hkv, &r, D, slots);
                 for (int64_t g = r.g0; g < r.g1; g++) {
                     const float* v[8];
                     for (int j = 0; j < 8; j++) v[j] = decode_vector(&S->v, slots[j] * Hkv + g, D, kbuf8 + j * D);
@@ -262,7 +265,7 @@ static void attend_items(void* ctx, uint32_t begin, uint32_t end) {
             }
         for (; t < hi; t++) {
             const int64_t slot = slot_of(table, t, bs);
-            if (t + PREFETCH_AHEAD < hi) prefetch_heads(&S->v, slot_of(table, t + PREFETCH_AHEAD, bs), Hkv, &r, D);
+            if (t + PREFETCH_AHEAD < ahead_hi) prefetch_heads(&S->v, slot_of(table, t + PREFETCH_AHEAD, bs), Hkv, &r, D);
             for (int64_t g = r.g0; g < r.g1; g++) {
                 const float* v = decode_vector(&S->v, slot * Hkv + g, D, vbuf);
                 for (int64_t h = heads_lo(&r, g, group); h < heads_hi(&r, g, group); h++)
@@ -303,6 +306,11 @@ static void merge(const Attend* a) {
     }
 }
 
+static void attend_ahead(void* ctx, uint32_t begin, uint32_t end) { attend(ctx, begin, end, 1); }
+static void attend_in_cache(void* ctx, uint32_t begin, uint32_t end) { attend(ctx, begin, end, 0); }
+
+#define AHEAD_KEYS 2048  // a step's sequences × keys from which it asks for rows ahead (attend)
+
 void kvlab_decode_attention(const Layer* L, const Step* S, const float* qkv, float* out, float* scores, float* partial,
                             int threads) {
     const int64_t chunks = num_chunks(S->max_keys), group = L->heads / L->kv_heads, pairs = S->batch * chunks;
@@ -317,6 +325,7 @@ void kvlab_decode_attention(const Layer* L, const Step* S, const float* qkv, flo
         parts = L->kv_heads * split;
     }
     Attend a = {L, S, qkv, out, scores, partial, chunks, parts, per_part};
-    kvlab_pool_run(attend_items, &a, (uint32_t)(pairs * parts), 1, threads);
+    const int ahead = S->batch > 1 && S->batch * S->max_keys >= AHEAD_KEYS;
+    kvlab_pool_run(ahead ? attend_ahead : attend_in_cache, &a, (uint32_t)(pairs * parts), 1, threads);
     merge(&a);
 }

@@ -183,15 +183,30 @@ static inline int64_t code_bytes(int32_t fmt, int64_t D) {
     return fmt == KV_F32 ? D * 4 : fmt == KV_BF16 || fmt == KV_F16 ? D * 2 : fmt == KV_Q4_0 ? D / 2 : D;
 }
 
-static inline void prefetch_vector(const KVStore* s, int64_t vec, int64_t D) {
+// A line on its way to L1 (TO_L2 = 0) or to L2 only (1). As asm: GCC deleted the loops of
+// __builtin_prefetch over a vector's lines inlined in attention.c's chunk loops (none were left in
+// the object code), so the attention's prefetching had never run.
+static inline void prefetch_line(const void* p, const int TO_L2) {
+#if defined(__x86_64__) || defined(__i386__)
+    if (TO_L2) __asm__ volatile("prefetcht1 %0" : : "m"(*(const char*)p));
+    else __asm__ volatile("prefetcht0 %0" : : "m"(*(const char*)p));
+#else
+    if (TO_L2) __builtin_prefetch(p, 0, 2);
+    else __builtin_prefetch(p, 0, 3);
+#endif
+}
+
+static inline void prefetch_vector_to(const KVStore* s, int64_t vec, int64_t D, const int TO_L2) {
     const int64_t bytes = code_bytes(s->fmt, D);
     const char* codes = (const char*)s->codes + vec * bytes;
-    for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(codes + off);
+    for (int64_t off = 0; off < bytes; off += 64) prefetch_line(codes + off, TO_L2);
     if (s->fmt == KV_Q8_0 || s->fmt == KV_Q4_0)
-        __builtin_prefetch((const char*)s->scales + vec * (D / QK) * 2);
+        prefetch_line((const char*)s->scales + vec * (D / QK) * 2, TO_L2);
     else if (s->fmt == KV_FP8)
-        __builtin_prefetch((const float*)s->scales + vec);
+        prefetch_line((const float*)s->scales + vec, TO_L2);
 }
+
+static inline void prefetch_vector(const KVStore* s, int64_t vec, int64_t D) { prefetch_vector_to(s, vec, D, 0); }
 
 // x [D] into its format: vector number `vec` of the store, bit for bit what formats.py's `encode` writes
 void kvlab_kv_encode_vector(const KVStore* s, const float* x, int64_t vec, int64_t D);
