@@ -36,6 +36,7 @@ from kvlab.config import EngineConfig  # noqa: E402
 from kvlab.engine import LLMEngine  # noqa: E402
 from kvlab.kernels import ThreadPolicy  # noqa: E402
 from kvlab.model.loader import load_model  # noqa: E402
+from kvlab.llm import settle_heap  # noqa: E402
 from kvlab.quant.activations import with_int8_activations  # noqa: E402
 from kvlab.sampling import SamplingParams  # noqa: E402
 
@@ -172,6 +173,7 @@ def main() -> int:
     loaded = load_model(args.model, dtype=args.dtype)
     if args.activation_quant:
         loaded = with_int8_activations(loaded)
+    settle_heap()  # as `kvlab serve` does after its load (KVLAB_GC_FREEZE=0: not)
     results = {
         "command": " ".join(sys.argv),
         "machine": {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
