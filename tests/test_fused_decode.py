@@ -49,10 +49,11 @@ def prompts(n: int, seed: int) -> list[list[int]]:
     return [torch.randint(5, 400, (k,), generator=g).tolist() for k in lengths]
 
 
-def serve(loaded, batch: list[list[int]], fused: bool, record: list | None = None) -> list[list[int]]:
+def serve(loaded, batch: list[list[int]], fused: bool, record: list | None = None, **config) -> list[list[int]]:
     """Greedy tokens of every prompt, served together; `record` collects each decode step's logits."""
     policy = ThreadPolicy(fused_decode=fused)
-    engine = LLMEngine(loaded, None, EngineConfig(max_num_batched_tokens=24, kv_memory_bytes=1 << 22), policy=policy)
+    config = {"max_num_batched_tokens": 24, "kv_memory_bytes": 1 << 22, **config}
+    engine = LLMEngine(loaded, None, EngineConfig(**config), policy=policy)
     if record is not None:
         forward = engine.runner.forward
         engine.runner.forward = lambda inputs: record.append(forward(inputs).clone()) or record[-1]
@@ -82,6 +83,22 @@ def test_greedy_tokens_and_logits_agree_with_the_layer_by_layer_path(model):
         assert a.shape == b.shape
         if not a.numel():  # a step with nothing to sample (prompt chunks only)
             continue
+        assert (a - b).abs().max() <= 1e-5 * max(b.abs().max().item(), 1.0)
+
+
+def test_many_sequences_over_many_keys_agree_too(model):
+    """16 sequences over 131-146 keys: past attention.c's AHEAD_KEYS (2,048 sequence × keys), the form of
+    the attention that asks for the rows of keys and values ahead."""
+    g = torch.Generator().manual_seed(3)
+    batch = [torch.randint(5, 400, (131 + k,), generator=g).tolist() for k in range(16)]
+    config = {"max_num_batched_tokens": 512, "kv_memory_bytes": 1 << 24, "enable_prefix_caching": False}
+    fused_logits, plain_logits = [], []
+    fused = serve(model, batch, fused=True, record=fused_logits, **config)
+    plain = serve(model, batch, fused=False, record=plain_logits, **config)
+    assert fused == plain
+    decodes = [(a, b) for a, b in zip(fused_logits, plain_logits) if a.shape[0] == 16]
+    assert len(decodes) >= 5  # steps of all 16 sequences, each over 16 × 147 or more sequence × keys
+    for a, b in decodes:
         assert (a - b).abs().max() <= 1e-5 * max(b.abs().max().item(), 1.0)
 
 
