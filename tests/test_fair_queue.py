@@ -43,6 +43,32 @@ def test_water_fill_is_max_min_fair_and_never_exceeds_the_budget():
     assert water_fill({"a": 9, "b": 9, "c": 9}, 2) == {"a": 1, "b": 1, "c": 0}  # never past the budget
 
 
+def test_water_fill_among_a_few_clients_at_a_time():
+    many = {f"c{i}": 256 for i in range(10)}
+    shares = water_fill(many, 512, max_clients=8)
+    assert [shares[f"c{i}"] for i in range(10)] == [64] * 8 + [0, 0]  # the first eight, 64 each; two wait
+    small = {f"c{i}": 10 for i in range(10)}
+    assert water_fill(small, 512, max_clients=8) == small  # eight ask for less than the budget: all are served
+    # the smallest ask goes first; a third client joins while the first two ask for less than the budget
+    assert water_fill({"late": 300, "newcomer": 6, **many}, 512, max_clients=2) == {
+        "late": 0, "newcomer": 6, "c0": 253, "c1": 253, **{f"c{i}": 0 for i in range(2, 10)}}
+
+
+def test_many_equal_prompts_go_through_a_few_at_a_time():
+    """16 clients with a 64-token prompt each, a budget of 128: two whole prompts a step (MIN_SHARE 64),
+    so that the first tokens come step by step and the first prompts' decodes begin while the rest
+    prefill, not 16 slivers of 8 tokens a step that all finish in the same last step."""
+    s = make(max_num_seqs=16, budget=128)
+    for i in range(16):
+        s.add_request(req(f"r{i}", 64, max_tokens=4, first=100 * (i + 1), client=f"client{i}"))
+    first = step(s)
+    assert shape(first) == [("r0", 0, 64), ("r1", 0, 64)]
+    second = step(s)
+    assert [c for c in shape(second) if c[2] == 1] == [("r0", 64, 1), ("r1", 64, 1)]  # decoding already
+    assert sum(c[2] for c in shape(second)) <= 128
+    run_out(s)
+
+
 def test_one_client_keeps_first_come_first_served_order():
     running = []
     waiting = [req(f"r{i}", 4) for i in range(5)]

@@ -14,7 +14,9 @@ scheduler exactly. With several clients:
 - **prompt tokens**: when several clients have prompt tokens to compute, the step's budget left after
   the decodes is split by max-min fairness (`water_fill`): a client asking for less than an equal share
   gets all it asks, the rest is split evenly among the others. A giant request's prompts therefore
-  take half a step's budget, not all of it, while a small request's prompt is computed.
+  take half a step's budget, not all of it, while a small request's prompt is computed. At most
+  budget // MIN_SHARE clients share a step (those asking least; equal asks in arrival order), so that
+  many equal prompts go through in chunks of MIN_SHARE or more, a few at a time, not in crumbs all together.
 
 Decodes are not shared out: every running request decodes every step, so sharing seats shares them.
 """
@@ -26,14 +28,23 @@ from collections import Counter
 from kvlab.request import Request
 
 
-def water_fill(demands: dict, budget: int) -> dict:
+def water_fill(demands: dict, budget: int, max_clients: int | None = None) -> dict:
     """Max-min fair split of `budget` tokens among clients asking `demands` (client → tokens).
 
     Clients are served from the smallest demand up, each taking at most an equal share of what is
     left; every client gets at least one token while any is left. The shares never sum past `budget`.
+    With `max_clients`, only the first that many in that order share the budget (more only while
+    those few ask for less than all of it); the others get 0 and wait for a later step.
     """
-    shares, left = {}, budget
     order = sorted(demands, key=lambda c: demands[c])  # stable: equal demands keep their order
+    if max_clients:
+        asked = 0
+        for n, client in enumerate(order):
+            if n >= max_clients and asked >= budget:
+                order = order[:n]
+                break
+            asked += demands[client]
+    shares, left = dict.fromkeys(demands, 0), budget
     for i, client in enumerate(order):
         share = min(demands[client], max(left // (len(order) - i), min(left, 1)))
         shares[client] = share
@@ -41,11 +52,19 @@ def water_fill(demands: dict, budget: int) -> dict:
     return shares
 
 
+# A step's prompt budget goes to at most budget // MIN_SHARE clients (2 at least), those asking least: 64
+# requests arriving together are 64 clients to the server, and an even split of 512 tokens gave each
+# prompt 8 tokens a step, so that every prompt finished in the same last step (all first tokens at
+# the end: vLLM bench serve's 64 × 256-token prompts, TTFT p50 = p99) and no decode could begin early.
+MIN_SHARE = 64
+
+
 class PrefillShares:
     """Each client's prompt tokens still allowed this step (no limit with fewer than two clients)."""
 
     def __init__(self, demands: dict, budget: int):
-        self.left = water_fill(demands, budget) if len(demands) > 1 else None
+        sharers = max(2, budget // MIN_SHARE)
+        self.left = water_fill(demands, budget, sharers) if len(demands) > 1 else None
 
     def grant(self, client, n: int) -> int:
         """Up to `n` tokens for `client`, taken from its share."""
