@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import atexit
 from collections import deque
+from contextlib import contextmanager
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -97,33 +98,36 @@ class LLM:
             from kvlab.config.rope import parse_rope_scaling
 
             rope_scaling = parse_rope_scaling(rope_scaling, "rope_scaling")
-        before_load = cpu_load.snapshot() if torch.device(device).type == "cpu" else None
-        self.loaded = load_model(model, dtype=dtype, device=device, max_positions=max_model_len,
-                                 dequantize=dequantize, quantization=quantization)  # fmt: skip
-        if rope_scaling is not None:
-            self.loaded = with_rope_scaling(self.loaded, rope_scaling, max_model_len)
-        # other programs' load on our CPUs while the model loaded: fewer threads when they hold a core
-        self.cpu_load = cpu_load.measure(before_load)
-        if self.group.world_size > 1:
-            from kvlab.parallel import shard_model
-
-            self.loaded = shard_model(self.loaded, self.group)  # this rank's shard of every layer
-        if activation_quant is not None:
-            check_activation_quant(activation_quant)
-            self.loaded = with_int8_activations(self.loaded)  # after sharding: each rank repacks its own rows
         default = torch.get_num_threads()
-        self.policy = ThreadPolicy(threads=threads or (self.cpu_load.threads_for(default) if self.cpu_load else default))
-        self.config = self.loaded.config
-        self.tokenizer = load_tokenizer(self.loaded)
-        try:
-            engine_config = EngineConfig(max_model_len=max_model_len, use_cache=use_cache, **engine_options)
-        except TypeError as e:
-            raise KvlabError(f"unknown engine option: {e}") from None
-        if self.group.world_size > 1:
-            from kvlab.parallel import agree_engine_config
+        with one_torch_thread():  # until the engine's first pass (see one_torch_thread)
+            before_load = cpu_load.snapshot() if torch.device(device).type == "cpu" else None
+            self.loaded = load_model(model, dtype=dtype, device=device, max_positions=max_model_len,
+                                     dequantize=dequantize, quantization=quantization)  # fmt: skip
+            if rope_scaling is not None:
+                self.loaded = with_rope_scaling(self.loaded, rope_scaling, max_model_len)
+            # other programs' load on our CPUs while the model loaded: fewer threads when they hold a core
+            self.cpu_load = cpu_load.measure(before_load)
+            if self.group.world_size > 1:
+                from kvlab.parallel import shard_model
 
-            engine_config = agree_engine_config(engine_config, self.loaded, self.group)
-        self.engine = LLMEngine(self.loaded, self.tokenizer, engine_config, policy=self.policy)
+                self.loaded = shard_model(self.loaded, self.group)  # this rank's shard of every layer
+            if activation_quant is not None:
+                check_activation_quant(activation_quant)
+                # after sharding: each rank repacks its own rows
+                self.loaded = with_int8_activations(self.loaded)
+            adapted = self.cpu_load.threads_for(default) if self.cpu_load else default
+            self.policy = ThreadPolicy(threads=threads or adapted)
+            self.config = self.loaded.config
+            self.tokenizer = load_tokenizer(self.loaded)
+            try:
+                engine_config = EngineConfig(max_model_len=max_model_len, use_cache=use_cache, **engine_options)
+            except TypeError as e:
+                raise KvlabError(f"unknown engine option: {e}") from None
+            if self.group.world_size > 1:
+                from kvlab.parallel import agree_engine_config
+
+                engine_config = agree_engine_config(engine_config, self.loaded, self.group)
+            self.engine = LLMEngine(self.loaded, self.tokenizer, engine_config, policy=self.policy)
         self._streams: dict[str, TextStream] = {}
 
     def close(self) -> None:
@@ -256,6 +260,22 @@ class TextStream:
                 self.done = True
 
 
+
+
+@contextmanager
+def one_torch_thread() -> Iterator[None]:
+    """PyTorch on one thread while a model loads. libgomp gives each thread that starts a parallel region
+    a team of workers of its own, and once it manages more threads than there are cores it spins only 100
+    turns before a worker sleeps, whatever GOMP_SPINCOUNT says: a model loaded on the main thread and
+    stepped by another (kvlab serve's engine thread) woke a futex per operation (32 SmolLM2 prompts of
+    256 tokens stepped in a thread: 6.6 s of prefill, 42,000 context switches; loaded on one thread,
+    5.8 s and 3,100). So the load makes no team: the first thread to run a pass makes the only one."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def settle_heap() -> bool:
