@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import atexit
 from collections import deque
-from contextlib import contextmanager
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -98,36 +97,35 @@ class LLM:
             from kvlab.config.rope import parse_rope_scaling
 
             rope_scaling = parse_rope_scaling(rope_scaling, "rope_scaling")
+        before_load = cpu_load.snapshot() if torch.device(device).type == "cpu" else None
+        self.loaded = load_model(model, dtype=dtype, device=device, max_positions=max_model_len,
+                                 dequantize=dequantize, quantization=quantization)  # fmt: skip
+        if rope_scaling is not None:
+            self.loaded = with_rope_scaling(self.loaded, rope_scaling, max_model_len)
+        # other programs' load on our CPUs while the model loaded: fewer threads when they hold a core
+        self.cpu_load = cpu_load.measure(before_load)
+        if self.group.world_size > 1:
+            from kvlab.parallel import shard_model
+
+            self.loaded = shard_model(self.loaded, self.group)  # this rank's shard of every layer
+        if activation_quant is not None:
+            check_activation_quant(activation_quant)
+            self.loaded = with_int8_activations(self.loaded)  # after sharding: each rank repacks its own rows
         default = torch.get_num_threads()
-        with one_torch_thread():  # until the engine's first pass (see one_torch_thread)
-            before_load = cpu_load.snapshot() if torch.device(device).type == "cpu" else None
-            self.loaded = load_model(model, dtype=dtype, device=device, max_positions=max_model_len,
-                                     dequantize=dequantize, quantization=quantization)  # fmt: skip
-            if rope_scaling is not None:
-                self.loaded = with_rope_scaling(self.loaded, rope_scaling, max_model_len)
-            # other programs' load on our CPUs while the model loaded: fewer threads when they hold a core
-            self.cpu_load = cpu_load.measure(before_load)
-            if self.group.world_size > 1:
-                from kvlab.parallel import shard_model
+        self.policy = ThreadPolicy(threads=threads or (self.cpu_load.threads_for(default) if self.cpu_load else default))
+        self.config = self.loaded.config
+        self.tokenizer = load_tokenizer(self.loaded)
+        try:
+            engine_config = EngineConfig(max_model_len=max_model_len, use_cache=use_cache, **engine_options)
+        except TypeError as e:
+            raise KvlabError(f"unknown engine option: {e}") from None
+        if self.group.world_size > 1:
+            from kvlab.parallel import agree_engine_config
 
-                self.loaded = shard_model(self.loaded, self.group)  # this rank's shard of every layer
-            if activation_quant is not None:
-                check_activation_quant(activation_quant)
-                # after sharding: each rank repacks its own rows
-                self.loaded = with_int8_activations(self.loaded)
-            adapted = self.cpu_load.threads_for(default) if self.cpu_load else default
-            self.policy = ThreadPolicy(threads=threads or adapted)
-            self.config = self.loaded.config
-            self.tokenizer = load_tokenizer(self.loaded)
-            try:
-                engine_config = EngineConfig(max_model_len=max_model_len, use_cache=use_cache, **engine_options)
-            except TypeError as e:
-                raise KvlabError(f"unknown engine option: {e}") from None
-            if self.group.world_size > 1:
-                from kvlab.parallel import agree_engine_config
-
-                engine_config = agree_engine_config(engine_config, self.loaded, self.group)
-            self.engine = LLMEngine(self.loaded, self.tokenizer, engine_config, policy=self.policy)
+            engine_config = agree_engine_config(engine_config, self.loaded, self.group)
+        self.engine = LLMEngine(self.loaded, self.tokenizer, engine_config, policy=self.policy)
+        if torch.device(device).type == "cpu":
+            release_openmp_threads()  # the engine's first pass, in whichever thread, makes the only team
         self._streams: dict[str, TextStream] = {}
 
     def close(self) -> None:
@@ -262,20 +260,31 @@ class TextStream:
 
 
 
-@contextmanager
-def one_torch_thread() -> Iterator[None]:
-    """PyTorch on one thread while a model loads. libgomp gives each thread that starts a parallel region
-    a team of workers of its own, and once it manages more threads than there are cores it spins only 100
-    turns before a worker sleeps, whatever GOMP_SPINCOUNT says: a model loaded on the main thread and
-    stepped by another (kvlab serve's engine thread) woke a futex per operation (32 SmolLM2 prompts of
-    256 tokens stepped in a thread: 6.6 s of prefill, 42,000 context switches; loaded on one thread,
-    5.8 s and 3,100). So the load makes no team: the first thread to run a pass makes the only one."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
+def release_openmp_threads() -> bool:
+    """Let the OpenMP runtime free this thread's team of workers (`omp_pause_resource_all`, hard).
+
+    libgomp gives every thread that starts a parallel region a team of its own, and once it manages
+    more threads than there are cores it spins only 100 turns before a worker sleeps, whatever
+    GOMP_SPINCOUNT says. A model loaded on the main thread (PyTorch's ops made a team there) and stepped
+    by another (kvlab serve's engine thread) therefore woke a futex per operation: 32 SmolLM2 prompts of
+    256 tokens stepped in a thread took 7.7 s of prefill with 40,000 voluntary context switches, 6.4 s
+    and 3,000 once the loading thread's team was freed (its next parallel region, if any, makes a new
+    one). False where no OpenMP runtime with the call is loaded."""
+    import ctypes
+
     try:
-        yield
-    finally:
-        torch.set_num_threads(before)
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if "libgomp" in line or "libiomp" in line}
+    except OSError:
+        return False
+    for path in sorted(paths):
+        try:
+            pause = ctypes.CDLL(path).omp_pause_resource_all
+        except (OSError, AttributeError):
+            continue
+        pause.argtypes, pause.restype = [ctypes.c_int], ctypes.c_int
+        return pause(2) == 0  # omp_pause_hard
+    return False
 
 
 def settle_heap() -> bool:

@@ -1,35 +1,46 @@
-"""LLM() loads with PyTorch on one thread (kvlab.llm.one_torch_thread), so that the load makes no OpenMP
-team and the thread that steps the engine (kvlab serve's engine thread) owns the only one; the thread
-count is given back afterwards, and the LLM's own policy still takes the count it found."""
+"""LLM() on a CPU lets the OpenMP runtime free the loading thread's team of workers afterwards
+(kvlab.llm.release_openmp_threads), so that the thread that steps the engine (kvlab serve's engine thread)
+owns the only team: with two, libgomp manages more threads than cores and barely spins."""
 
 from __future__ import annotations
 
+import glob
+import platform
+
+import pytest
 import torch
 
 import kvlab
 import kvlab.llm
-from kvlab.llm import LLM, one_torch_thread
+from kvlab.llm import LLM, release_openmp_threads
 from tiny import build_tiny
 
 
-def test_one_torch_thread_gives_the_count_back():
-    before = torch.get_num_threads()
-    with one_torch_thread():
-        assert torch.get_num_threads() == 1
-    assert torch.get_num_threads() == before
+def threads_of_this_process() -> int:
+    return len(glob.glob("/proc/self/task/*"))
 
 
-def test_the_load_runs_on_one_thread(tmp_path, monkeypatch):
-    seen = []
-    real = kvlab.llm.load_model
-    monkeypatch.setattr(kvlab.llm, "load_model", lambda *a, **k: seen.append(torch.get_num_threads()) or real(*a, **k))
+@pytest.mark.skipif(platform.system() != "Linux", reason="counts threads in /proc")
+def test_the_team_of_workers_is_freed_and_comes_back_when_needed():
+    if not any("libgomp" in line for line in open("/proc/self/maps")):
+        pytest.skip("PyTorch here runs no libgomp")
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        llm = LLM(str(build_tiny("llama", tmp_path)))
-        assert seen == [1]
-        assert torch.get_num_threads() == 2 and llm.policy.threads in (1, 2)  # 1: another program held a core
-        out = llm.generate([{"prompt_token_ids": [5, 6, 7]}], kvlab.SamplingParams(max_tokens=2, temperature=0))
-        assert len(out[0].outputs[0].token_ids) == 2
+        x = torch.arange(1 << 22, dtype=torch.float32)
+        total = (x * 2).sum().item()  # a parallel region: the team exists now
+        with_team = threads_of_this_process()
+        assert release_openmp_threads() is True
+        assert threads_of_this_process() < with_team
+        assert (x * 2).sum().item() == total  # the next region makes a team again
     finally:
         torch.set_num_threads(before)
+
+
+def test_an_llm_on_a_cpu_frees_it_after_the_load(tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(kvlab.llm, "release_openmp_threads", lambda: calls.append("release") or True)
+    llm = LLM(str(build_tiny("llama", tmp_path)))
+    assert calls == ["release"]
+    out = llm.generate([{"prompt_token_ids": [5, 6, 7]}], kvlab.SamplingParams(max_tokens=2, temperature=0))
+    assert len(out[0].outputs[0].token_ids) == 2
