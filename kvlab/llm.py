@@ -269,7 +269,8 @@ def release_openmp_threads() -> bool:
     by another (kvlab serve's engine thread) therefore woke a futex per operation: 32 SmolLM2 prompts of
     256 tokens stepped in a thread took 7.7 s of prefill with 40,000 voluntary context switches, 6.4 s
     and 3,000 once the loading thread's team was freed (its next parallel region, if any, makes a new
-    one). False where no OpenMP runtime with the call is loaded."""
+    one). Every OpenMP runtime loaded is asked (another package may bring its own copy). False where
+    none with the call is loaded, or none could pause."""
     import ctypes
 
     try:
@@ -277,14 +278,15 @@ def release_openmp_threads() -> bool:
             paths = {line.split()[-1] for line in maps if "libgomp" in line or "libiomp" in line}
     except OSError:
         return False
+    paused = False
     for path in sorted(paths):
         try:
             pause = ctypes.CDLL(path).omp_pause_resource_all
         except (OSError, AttributeError):
             continue
         pause.argtypes, pause.restype = [ctypes.c_int], ctypes.c_int
-        return pause(2) == 0  # omp_pause_hard
-    return False
+        paused = pause(2) == 0 or paused  # omp_pause_hard
+    return paused
 
 
 def settle_heap() -> bool:
