@@ -158,8 +158,12 @@ static inline void eight_slots(const KVStore* s, const int64_t* table, int64_t t
 // AHEAD: the rows of keys (and values) further on are asked for while these are read. Two compiled
 // forms (attend_ahead, attend_in_cache), chosen per step in kvlab_decode_attention: in a step of several
 // sequences and many keys, whose cache comes from memory, asking ahead pays (SmolLM2's shape, 30 layers,
-// 2 threads: 16 sequences over 256 keys 13.4-13.8 -> 9.3-10.5 ms, 64 over 256 58.4 -> 43.2); where the
-// cache mostly sits in the caches (one sequence, or 16 over 70 keys) the form without it was 5-10% faster.
+// 2 threads: 16 sequences over 256 keys 13.4-13.8 -> 9.3-10.5 ms, 64 over 256 58.4 -> 43.2). Measured in
+// whole decode steps (the products between layers push the cache out; SmolLM2 int8, float32 KV), the
+// step with it took 0.96x at 16 sequences over 32 keys, 0.91-0.96x over 64, 0.85-0.93x over 128 and
+// 0.92x at 4 over 256, and 1.02x at 4 over 64: so from 512 keys in all. One sequence was 8-13% slower
+// with it over 64 keys, even over 512, and over 1,024 0.94-0.96x with float32 keys but 1.05x with
+// 16-bit ones: one sequence keeps the form without it.
 static inline __attribute__((always_inline)) void attend(void* ctx, uint32_t begin, uint32_t end, const int AHEAD) {
     const Attend* a = ctx;
     const Layer* L = a->layer;
@@ -309,7 +313,7 @@ static void merge(const Attend* a) {
 static void attend_ahead(void* ctx, uint32_t begin, uint32_t end) { attend(ctx, begin, end, 1); }
 static void attend_in_cache(void* ctx, uint32_t begin, uint32_t end) { attend(ctx, begin, end, 0); }
 
-#define AHEAD_KEYS 2048  // a step's sequences × keys from which it asks for rows ahead (attend)
+#define AHEAD_KEYS 512  // a step's sequences × keys from which it asks for rows ahead (attend)
 
 void kvlab_decode_attention(const Layer* L, const Step* S, const float* qkv, float* out, float* scores, float* partial,
                             int threads) {
