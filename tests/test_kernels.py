@@ -116,9 +116,42 @@ def test_small_ops_stay_in_pytorch_where_c_does_not_apply():
 
     assert not small_ops_apply(torch.randn(1, 1, 64, dtype=torch.bfloat16), 1)
     rows = DEFAULT_MAX_KERNEL_ROWS + 1
-    assert not small_ops_apply(torch.randn(1, rows, 64), rows)  # prefill-sized
+    with ThreadPolicy(threads=2, use_kernels=False).active():
+        assert not small_ops_apply(torch.randn(1, rows, 64), rows)  # the kernels off: PyTorch's ops
     x = torch.randn(1, 1, 4, 64).transpose(2, 3)  # not [.., heads, D] with D contiguous
     assert not rope_in_place(x, torch.randn(1, 1, 1, 4), torch.randn(1, 1, 1, 4))
+
+
+@needs_kernel
+def test_small_ops_over_a_prompts_rows_give_each_row_the_bits_it_has_alone():
+    """A prompt's rows split over the pool's threads: every row the same bits as computed alone (the
+    decode step's own functions), the gated activation the same with gate and up apart or fused."""
+    from kvlab.kernels.decode import activation_ids
+    from kvlab.kernels.gemv import gated_act, rms_norm, rope_in_place, small_ops_apply
+
+    g = torch.Generator().manual_seed(7)
+    rows, n, inter, heads, D = 300, 576, 1536, 5, 64
+    x, w = torch.randn(1, rows, n, generator=g) * 3, torch.randn(n, generator=g)
+    gate_up = torch.randn(rows, 2 * inter, generator=g) * 4
+    qkv = torch.randn(1, rows, heads + 2, D, generator=g)
+    cos, sin = torch.randn(1, rows, 1, D, generator=g), torch.randn(1, rows, 1, D, generator=g)
+    silu = activation_ids()["silu"]
+    with ThreadPolicy(threads=2).active():
+        assert small_ops_apply(x, rows)
+        norm = rms_norm(x, w, 1e-6)
+        act = gated_act(gate_up[:, :inter], gate_up[:, inter:], silu)
+        apart = gated_act(gate_up[:, :inter].contiguous(), gate_up[:, inter:].contiguous(), silu)
+        rotated = qkv.clone()
+        assert rope_in_place(rotated[:, :, :heads], cos, sin)
+    with ThreadPolicy(threads=1).active():
+        for r in (0, 1, 149, 299):
+            assert torch.equal(norm[:, r], rms_norm(x[:, r : r + 1], w, 1e-6)[:, 0])
+            assert torch.equal(act[r], gated_act(gate_up[r : r + 1, :inter], gate_up[r : r + 1, inter:], silu)[0])
+            alone = qkv[:, r : r + 1].clone(memory_format=torch.contiguous_format)
+            assert rope_in_place(alone[:, :, :heads], cos[:, r : r + 1].contiguous(), sin[:, r : r + 1].contiguous())
+            assert torch.equal(rotated[:, r], alone[:, 0])
+    assert torch.equal(act, apart)
+    assert torch.equal(rotated[:, :, heads:], qkv[:, :, heads:])  # v's heads untouched
 
 
 @pytest.mark.parametrize(
@@ -199,7 +232,7 @@ def test_c_gated_activation_matches_pytorch(rows, intermediate, activation):
     gate_up[-1, intermediate - 3 : intermediate] = torch.tensor([-120.0, 95.0, 2.5])  # the tail's elements
     gate, up = gate_up.double().chunk(2, dim=-1)
     act = F.silu(gate) if activation == "silu" else F.gelu(gate, approximate="tanh")
-    got = gated_act(gate_up, intermediate, activation_ids()[activation])
+    got = gated_act(gate_up[:, :intermediate], gate_up[:, intermediate:], activation_ids()[activation])
     assert got.shape == (rows, intermediate) and torch.isfinite(got).all()
     # act(g) / g lies in [0, 1]: |g · up| is the scale of each value's rounding
     assert ((got.double() - act * up).abs() <= 1e-6 * (gate * up).abs() + 1e-37).all()

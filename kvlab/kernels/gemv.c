@@ -225,10 +225,13 @@ static inline v8f exp_v8(v8f x) {
 // bits on both paths (PyTorch's vectorised tanh and exp differ from these by an ulp here and there).
 // Both are g·σ(t): SiLU t = g; GELU's 0.5·(1 + tanh z) is σ(2z), t = 2z, z = √(2/π)(g + 0.044715 g³);
 // σ(t) = 1 / (1 + e^−t), 8 values at a time (exp_normal8), the row's last I mod 8 with libm's expf.
-void kvlab_gated_act_f32(const float* gate_up, float* y, int64_t rows, int64_t I, int act) {
+// gate and up may be apart (row r of each at gate + r·gate_stride, up + r·up_stride): the two halves of
+// one fused product, or two products
+static void gated_act(const float* gate, int64_t gate_stride, const float* up, int64_t up_stride, float* y,
+                      int64_t rows, int64_t I, int act) {
     const float k2 = 2.0f * 0.7978845608028654f;  // 2·sqrt(2 / pi)
     for (int64_t r = 0; r < rows; r++) {
-        const float *g = gate_up + r * 2 * I, *u = g + I;
+        const float *g = gate + r * gate_stride, *u = up + r * up_stride;
         float* out = y + r * I;
         int64_t i = 0;
         for (; i + 8 <= I; i += 8) {
@@ -242,6 +245,10 @@ void kvlab_gated_act_f32(const float* gate_up, float* y, int64_t rows, int64_t I
             out[i] = g[i] / (1.0f + expf(-t)) * u[i];
         }
     }
+}
+
+void kvlab_gated_act_f32(const float* gate_up, float* y, int64_t rows, int64_t I, int act) {
+    gated_act(gate_up, 2 * I, gate_up + I, 2 * I, y, rows, I, act);
 }
 
 // Rotate, in place, `heads` heads of head_dim D in each of `tokens` tokens (token t starts at
@@ -260,6 +267,61 @@ void kvlab_rope_f32(float* x, const float* cos, const float* signed_sin, int64_t
             for (int64_t i = half; i < d; i++) v[i] = tmp[i] * c[i] + tmp[i - half] * s[i];
         }
     }
+}
+
+// ---- the same small ops over a prompt's rows, on the pool --------------------------------------
+// A prompt pass's norms, rotations and activations are hundreds of rows; each row is the functions
+// above on its own, so the rows split over the threads give the same bits as one thread. Run in
+// PyTorch instead they took OpenMP's threads, which then spun on the core the pool's products need.
+
+enum { OP_RMS_NORM, OP_GATED_ACT, OP_ROPE };
+
+typedef struct {
+    int op, act;
+    const float *a, *b;  // x and w (norm), gate and up (act), cos and signed_sin (rope)
+    float* y;            // the output (norm, act), the rows rotated in place (rope)
+    int64_t n, heads, stride, stride_b;  // a row's size; heads (rope); row strides: rope's x or gate, up
+    float eps;
+} RowOp;
+
+static void row_range(const RowOp* o, int64_t r, int64_t rows) {
+    if (o->op == OP_RMS_NORM)
+        kvlab_rms_norm_f32(o->a + r * o->n, o->b, o->y + r * o->n, rows, o->n, o->eps);
+    else if (o->op == OP_GATED_ACT)
+        gated_act(o->a + r * o->stride, o->stride, o->b + r * o->stride_b, o->stride_b, o->y + r * o->n, rows, o->n, o->act);
+    else
+        kvlab_rope_f32(o->y + r * o->stride, o->a + r * o->n, o->b + r * o->n, rows, o->heads, o->n, o->stride);
+}
+
+static void row_op(void* ctx, uint32_t begin, uint32_t end) { row_range(ctx, begin, (int64_t)end - begin); }
+
+#define OP_CHUNK_FLOATS 16384  // about a chunk of work per claim: 64 KB of a row op's input
+
+static void run_row_op(const RowOp* o, int64_t rows, int64_t floats_per_row, int threads) {
+    int64_t chunk = OP_CHUNK_FLOATS / (floats_per_row > 0 ? floats_per_row : 1);
+    if (chunk < 1) chunk = 1;
+    if (threads <= 1 || rows <= chunk || rows > UINT32_MAX) {
+        row_range(o, 0, rows);
+        return;
+    }
+    kvlab_pool_run(row_op, (void*)o, (uint32_t)rows, (uint32_t)chunk, threads);
+}
+
+void kvlab_rms_norm_rows(const float* x, const float* w, float* y, int64_t rows, int64_t n, float eps, int threads) {
+    RowOp o = {OP_RMS_NORM, 0, x, w, y, n, 0, 0, 0, eps};
+    run_row_op(&o, rows, n, threads);
+}
+
+void kvlab_gated_act_rows(const float* gate, int64_t gate_stride, const float* up, int64_t up_stride, float* y,
+                          int64_t rows, int64_t I, int act, int threads) {
+    RowOp o = {OP_GATED_ACT, act, gate, up, y, I, 0, gate_stride, up_stride, 0.0f};
+    run_row_op(&o, rows, 3 * I, threads);
+}
+
+void kvlab_rope_rows(float* x, const float* cos, const float* signed_sin, int64_t tokens, int64_t heads, int64_t d,
+                     int64_t token_stride, int threads) {
+    RowOp o = {OP_ROPE, 0, cos, signed_sin, x, d, heads, token_stride, 0, 0.0f};
+    run_row_op(&o, tokens, heads * d, threads);
 }
 
 // ---- greedy picks: each row's argmax ------------------------------------------------------------

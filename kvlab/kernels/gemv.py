@@ -127,9 +127,9 @@ def _load() -> None:
     int64, pointer = ctypes.c_int64, ctypes.c_void_p
     for dtype, name in _NAMES.items():
         _kernels[dtype] = _bind(lib, name, [pointer] * 4 + [int64] * 3 + [ctypes.c_int])
-    _ops["rms_norm"] = _bind(lib, "kvlab_rms_norm_f32", [pointer] * 3 + [int64] * 2 + [ctypes.c_float])
-    _ops["rope"] = _bind(lib, "kvlab_rope_f32", [pointer] * 3 + [int64] * 4)
-    _ops["gated_act"] = _bind(lib, "kvlab_gated_act_f32", [pointer] * 2 + [int64] * 2 + [ctypes.c_int])
+    _ops["rms_norm"] = _bind(lib, "kvlab_rms_norm_rows", [pointer] * 3 + [int64] * 2 + [ctypes.c_float, ctypes.c_int])
+    _ops["rope"] = _bind(lib, "kvlab_rope_rows", [pointer] * 3 + [int64] * 4 + [ctypes.c_int])
+    _ops["gated_act"] = _bind(lib, "kvlab_gated_act_rows", [pointer, int64, pointer, int64, pointer] + [int64] * 2 + [ctypes.c_int] * 2)
     _ops["argmax"] = _bind(lib, "kvlab_argmax_rows", [pointer, int64, int64, pointer, ctypes.c_int])
     _pool["stats"] = _bind(lib, "kvlab_pool_stats", [ctypes.POINTER(_PoolStats)])
     _pool["set_generation"] = _bind(lib, "kvlab_pool_set_generation", [ctypes.c_uint32], ctypes.c_int)
@@ -262,17 +262,25 @@ def _pool_held():
         _pool["hold"](0)
 
 
-# ---- the small ops of a decode step ------------------------------------------------------------
+# ---- the small ops around the products ----------------------------------------------------------
 # Each is a handful of PyTorch kernels of a few microseconds apiece; at decode sizes that is most of
-# their time. One C call instead, for float32 rows on a CPU; everything else keeps the PyTorch code.
+# their time. One C call instead, for float32 rows on a CPU (a prompt's rows split over the pool's
+# threads, each row computed as alone: the same bits at any split); everything else keeps the PyTorch code.
 
 
 def small_ops_apply(x: torch.Tensor, tokens: int) -> bool:
-    """Whether the C versions of the small ops take a float32 tensor of `tokens` tokens (decode-sized)."""
-    if x.dtype != torch.float32 or not current().kernel_sized(tokens):
+    """Whether the C versions of the small ops take a float32 tensor of `tokens` tokens: a decode step's
+    (the fused step's own functions), and a prompt's, whose rows they split over the policy's threads.
+    Measured on a 512-token pass of SmolLM2 at 2 threads, the gated activation 353 -> ~180 us, RoPE
+    243 -> ~50, and PyTorch's OpenMP threads no longer woken between the pool's products."""
+    if x.dtype != torch.float32 or not current().use_kernels or tokens <= 0:
         return False
     _ensure_loaded()
     return bool(_ops)
+
+
+def _threads() -> int:
+    return current().threads
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -280,17 +288,21 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     x = x.contiguous()
     y = torch.empty_like(x)
     n = x.shape[-1]
-    _ops["rms_norm"](x.data_ptr(), weight.data_ptr(), y.data_ptr(), x.numel() // n, n, eps)
+    _ops["rms_norm"](x.data_ptr(), weight.data_ptr(), y.data_ptr(), x.numel() // n, n, eps, _threads())
     return y
 
 
-def gated_act(gate_up: torch.Tensor, intermediate: int, activation_id: int) -> torch.Tensor:
-    """act(gate) · up for gate_up [..., 2·intermediate] (gate first), float32 on a CPU (small_ops_apply):
-    the C function the decode step's MLP calls, so the two paths give the same bits."""
-    gate_up = gate_up.contiguous()
-    rows = gate_up.numel() // (2 * intermediate)
-    y = torch.empty(*gate_up.shape[:-1], intermediate)
-    _ops["gated_act"](gate_up.data_ptr(), y.data_ptr(), rows, intermediate, activation_id)
+def gated_act(gate: torch.Tensor, up: torch.Tensor, activation_id: int) -> torch.Tensor:
+    """act(gate) · up, float32 on a CPU (small_ops_apply): gate and up [..., I] each, the halves of one
+    fused product or two products. The C function the decode step's MLP calls, so the two paths give
+    the same bits."""
+    intermediate = gate.shape[-1]
+    rows = gate.numel() // intermediate if intermediate else 0
+    g, u = (t.reshape(rows, intermediate) for t in (gate, up))
+    g, u = (t if t.stride(-1) == 1 else t.contiguous() for t in (g, u))
+    y = torch.empty(*gate.shape[:-1], intermediate)
+    _ops["gated_act"](g.data_ptr(), g.stride(0), u.data_ptr(), u.stride(0), y.data_ptr(), rows, intermediate,
+                      activation_id, _threads())  # fmt: skip
     return y
 
 
@@ -317,5 +329,5 @@ def rope_in_place(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) 
         return False
     if cos.shape[0] != B or cos.shape[1] != T:
         return False
-    _ops["rope"](x.data_ptr(), cos.data_ptr(), signed_sin.data_ptr(), B * T, heads, D, x.stride(1))
+    _ops["rope"](x.data_ptr(), cos.data_ptr(), signed_sin.data_ptr(), B * T, heads, D, x.stride(1), _threads())
     return True

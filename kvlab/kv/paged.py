@@ -199,12 +199,29 @@ class PagedKVCache(KVCache):
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
 
     def apply(self, ops: Iterable) -> None:
-        """Do the KV manager's block operations (kv.manager.BlockZero, BlockCopy), in order, in every layer."""
-        for op in ops:
+        """Do the KV manager's block operations (kv.manager.BlockZero, BlockCopy), in order, in every layer.
+        Consecutive zeroings are gathered into runs of adjacent blocks, one fill per run and tensor."""
+        zero: list[int] = []
+        for op in [*ops, None]:
             if isinstance(op, BlockZero):
-                blocks = torch.tensor(op.block_ids, dtype=torch.long, device=self.device)
-                for t in self.tensors():
-                    t.index_fill_(0, blocks, 0)
-            else:
+                zero.extend(op.block_ids)
+                continue
+            if zero:  # runs of consecutive blocks, each zeroed as one slice (a fill of many ids was ~5x slower)
+                for lo, hi in _runs(sorted(set(zero))):
+                    for t in self.tensors():
+                        t[lo:hi].zero_()
+                zero = []
+            if op is not None:
                 for t in self.tensors():
                     t[op.dst, : op.num_tokens] = t[op.src, : op.num_tokens]
+
+
+def _runs(ids: list[int]) -> list[tuple[int, int]]:
+    """Sorted distinct ids as [lo, hi) runs of consecutive ones: [3, 4, 5, 9] → [(3, 6), (9, 10)]."""
+    runs: list[tuple[int, int]] = []
+    for i in ids:
+        if runs and runs[-1][1] == i:
+            runs[-1] = (runs[-1][0], i + 1)
+        else:
+            runs.append((i, i + 1))
+    return runs

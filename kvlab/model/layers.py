@@ -169,14 +169,10 @@ class GatedMLP(nn.Module):
         raise NotImplementedError
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if current_ops().small_ops(x, x.numel() // x.shape[-1]):  # decode: the activation is the C step's own (its bits)
-            act_id = activation_ids().get(self.activation)
-            gate_up = self.gate_up_proj(x)
-            if act_id is not None and gate_up.dtype == torch.float32:
-                return self.down_proj(gated_act(gate_up, self.intermediate_size, act_id))
-            gate, up = gate_up.split(self.intermediate_size, dim=-1)
-            return self.down_proj(self.act(gate) * up)
         gate, up = self.gate_up_proj.forward_parts(x)  # [B, T, I] each
+        act_id = activation_ids().get(self.activation)
+        if act_id is not None and gate.dtype == torch.float32 and current_ops().small_ops(gate, gate.numel() // gate.shape[-1]):
+            return self.down_proj(gated_act(gate, up, act_id))  # the C step's own activation (its bits)
         return self.down_proj(self.act(gate) * up)
 
 
