@@ -264,3 +264,23 @@ def test_truncate_on_a_block_boundary_and_out_of_range():
         kv.truncate(a, 5)  # past what its table holds
     kv.truncate(a, 0)
     assert kv.block_tables["a"] == [[]] and kv.pool.check_integrity().used == 0
+
+
+def test_a_paged_cache_applies_zeroings_and_copies_in_their_order():
+    """Zeroings in a row are gathered into runs of adjacent blocks; a copy between them still sees the
+    blocks as the earlier operations left them, and blocks no operation names keep their values."""
+    import torch
+
+    from kvlab.kv.paged import PagedKVCache
+
+    cache = PagedKVCache(num_layers=2, num_blocks=8, block_size=4, num_kv_heads=1, head_dim=2)
+    for t in cache.tensors():
+        t.copy_(torch.arange(t.numel(), dtype=t.dtype).view_as(t) + 1)  # every value nonzero
+    before = [t.clone() for t in cache.tensors()]
+    cache.apply([BlockZero((2,)), BlockCopy(src=1, dst=2, num_tokens=2), BlockZero((1,)), BlockZero((6, 4)),
+                 BlockZero((5,))])  # fmt: skip
+    for t, old in zip(cache.tensors(), before):
+        assert torch.equal(t[2, :2], old[1, :2]) and not t[2, 2:].any()  # zeroed, then the copy's 2 tokens
+        assert not t[1].any() and not t[4:7].any()
+        for b in (0, 3, 7):
+            assert torch.equal(t[b], old[b])
