@@ -41,8 +41,9 @@ def rounded(x: torch.Tensor, size: int) -> np.ndarray:
 
 
 def shapes(fmt: str) -> list[tuple[int, int]]:
-    """(out, in): row counts no item of 16 divides, and inputs of several blocks."""
-    return [(13, 256), (67, 768)] if fmt.endswith("K") else [(13, 96), (67, 288)]
+    """(out, in): row counts no item of 16 divides, and inputs of several blocks (17 and more sub-blocks:
+    the quantizer's sixteen at a time, then one)."""
+    return [(13, 256), (67, 768)] if fmt.endswith("K") else [(13, 96), (67, 544)]
 
 
 def interleaved(fmt: str, out: int, n: int, seed: int) -> tuple[PackedTensor, np.ndarray]:

@@ -255,14 +255,80 @@ typedef struct {
 
 // out[b·m + i]: sub-block b of row i (rows i0 .. i1 − 1 of m), the m rows of a sub-block side by side
 // (the kernel reads them at fixed offsets from one address)
+#if defined(VNNI)
+#define SHUF4(a, b, imm) _mm512_castps_si512(_mm512_shuffle_f32x4(_mm512_castsi512_ps(a), _mm512_castsi512_ps(b), imm))
+#define SHUFPS(a, b, imm) _mm512_castps_si512(_mm512_shuffle_ps(_mm512_castsi512_ps(a), _mm512_castsi512_ps(b), imm))
+#define UNPACK(LOHI, a, b) _mm512_castpd_si512(_mm512_unpack##LOHI##_pd(_mm512_castsi512_pd(a), _mm512_castsi512_pd(b)))
+
+// v[0]'s lane j ← v[j]'s 16 lanes reduced by OP (max, or an integer sum): 16 reductions in 15 OPs and
+// their shuffles, where a _mm512_reduce_* each takes about eight instructions
+#define REDUCE16(OP, v)                                                                                    \
+    do {                                                                                                   \
+        for (int k = 0; k < 8; k++) /* lanes 0-7: v[2k]'s halves reduced, lanes 8-15: v[2k+1]'s */         \
+            v[k] = OP(SHUF4(v[2 * k], v[2 * k + 1], 0x44), SHUF4(v[2 * k], v[2 * k + 1], 0xEE));          \
+        for (int k = 0; k < 4; k++) /* quarter q: four lanes of v[4k+q] */                                 \
+            v[k] = OP(SHUF4(v[2 * k], v[2 * k + 1], 0x88), SHUF4(v[2 * k], v[2 * k + 1], 0xDD));          \
+        for (int k = 0; k < 2; k++) /* quarter q: two lanes of v[8k+q], two of v[8k+4+q] */                \
+            v[k] = OP(UNPACK(lo, v[2 * k], v[2 * k + 1]), UNPACK(hi, v[2 * k], v[2 * k + 1]));            \
+        v[0] = OP(SHUFPS(v[0], v[1], 0x88), SHUFPS(v[0], v[1], 0xDD)); /* lane 4q + p: v[4p + q] */        \
+        v[0] = _mm512_permutexvar_epi32(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), v[0]); \
+    } while (0)
+
+static inline __m512i max_bits(__m512i a, __m512i b) {
+    return _mm512_castps_si512(_mm512_max_ps(_mm512_castsi512_ps(a), _mm512_castsi512_ps(b)));
+}
+
+// Sixteen sub-blocks of a row (S = 32 or 16 values each; block g at o[g · stride]) at a time: their
+// largest magnitudes, the reciprocals and the codes' sums, each a vector of 16, not 16 reductions and
+// divisions. The same numbers as one sub-block at a time (quantize_range): max and integer sums are
+// exact in any order, and the divisions and products are the same IEEE operations.
+static void quantize_sixteen(const float* v, int S, int off, XBlock* o, int64_t stride) {
+    const int halves = S / 16;
+    __m512i red[16];
+    for (int g = 0; g < 16; g++) {
+        __m512 amax = _mm512_setzero_ps();
+        for (int h = 0; h < halves; h++) amax = _mm512_max_ps(amax, _mm512_abs_ps(_mm512_loadu_ps(v + g * S + 16 * h)));
+        red[g] = _mm512_castps_si512(amax);
+    }
+    REDUCE16(max_bits, red);
+    const __m512 top = _mm512_castsi512_ps(red[0]);
+    const __mmask16 positive = _mm512_cmp_ps_mask(top, _mm512_setzero_ps(), _CMP_GT_OQ);
+    float ids[16];
+    _mm512_storeu_ps(ids, _mm512_maskz_div_ps(positive, _mm512_set1_ps(127.0f), top));
+    for (int g = 0; g < 16; g++) {
+        const __m512 id = _mm512_set1_ps(ids[g]);
+        __m512i sum = _mm512_setzero_si512();
+        __m128i codes[2] = {_mm_setzero_si128(), _mm_setzero_si128()};
+        for (int h = 0; h < halves; h++) {
+            __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(v + g * S + 16 * h), id));
+            q = _mm512_max_epi32(_mm512_min_epi32(q, _mm512_set1_epi32(127)), _mm512_set1_epi32(-127));
+            sum = _mm512_add_epi32(sum, q);
+            codes[h] = _mm512_cvtepi32_epi8(q);
+        }
+        _mm256_storeu_si256((__m256i*)o[g * stride].q, _mm256_set_m128i(codes[1], codes[0]));
+        red[g] = sum;
+    }
+    REDUCE16(_mm512_add_epi32, red);
+    const __m512 dx = _mm512_div_ps(top, _mm512_set1_ps(127.0f));
+    int32_t dxs[16], dx_sums[16], neg_offs[16];  // the floats' bits
+    _mm512_storeu_si512(dxs, _mm512_castps_si512(dx));
+    _mm512_storeu_si512(dx_sums, _mm512_castps_si512(_mm512_mul_ps(dx, _mm512_cvtepi32_ps(red[0]))));
+    _mm512_storeu_si512(neg_offs, _mm512_mullo_epi32(_mm512_set1_epi32(-off), red[0]));
+    for (int g = 0; g < 16; g++)  // dx, dx_sum, neg_off and the pad's zeros: the line's second half
+        _mm256_storeu_si256((__m256i*)&o[g * stride].dx, _mm256_setr_epi32(dxs[g], dx_sums[g], neg_offs[g], 0, 0, 0, 0, 0));
+}
+#endif
+
 static void quantize_range(const float* x, int64_t m, int64_t n, const Layout* l, XBlock* out, int64_t i0, int64_t i1) {
     const int64_t groups = n / l->S;
 #if defined(VNNI)
     // the same numbers as the loop below: max is exact in any order, one rounding per product, and
     // vcvtps2dq rounds to nearest even as nearbyintf does
     const int halves = l->S / 16;
-    for (int64_t i = i0; i < i1; i++)
-        for (int64_t b = 0; b < groups; b++) {
+    for (int64_t i = i0; i < i1; i++) {
+        int64_t b = 0;
+        for (; b + 16 <= groups; b += 16) quantize_sixteen(x + i * n + b * l->S, l->S, l->off, out + b * m + i, m);
+        for (; b < groups; b++) {
             const float* v = x + i * n + b * l->S;
             XBlock* o = out + b * m + i;
             __m512 a[2];
@@ -283,6 +349,7 @@ static void quantize_range(const float* x, int64_t m, int64_t n, const Layout* l
             o->dx_sum = o->dx * (float)total;
             o->neg_off = -l->off * total;
         }
+    }
     return;
 #elif defined(DOT2)
     // the loop's numbers, 8 values at a time (as the VNNI build's: max exact in any order, one rounding
