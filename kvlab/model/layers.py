@@ -171,7 +171,8 @@ class GatedMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj.forward_parts(x)  # [B, T, I] each
         act_id = activation_ids().get(self.activation)
-        if act_id is not None and gate.dtype == torch.float32 and current_ops().small_ops(gate, gate.numel() // gate.shape[-1]):
+        rows = gate.numel() // gate.shape[-1]
+        if act_id is not None and gate.dtype == torch.float32 and current_ops().small_ops(gate, rows):
             return self.down_proj(gated_act(gate, up, act_id))  # the C step's own activation (its bits)
         return self.down_proj(self.act(gate) * up)
 
