@@ -709,10 +709,10 @@ static inline __attribute__((always_inline)) void fused_item(int fmt, const int 
 // 4·MX accumulators, and per vector of values TILE + MX loads for 4·MX FMAs.
 #define MX 6  // activation rows per tile: 24 accumulators, 4 weight vectors and one activation vector
 static inline __attribute__((always_inline)) void tile_rows(const int M, const float* wb, const float* x, int64_t ldx,
-                                                            int64_t len, __m512* acc) {
+                                                            int64_t len, int first, __m512* acc) {
     __m512 a[MX][TILE];
-    for (int i = 0; i < M; i++)
-        for (int r = 0; r < TILE; r++) a[i][r] = acc[i * ROWS + r];
+    for (int i = 0; i < M; i++)  // the first chunk starts from zeros (no pass to clear acc beforehand)
+        for (int r = 0; r < TILE; r++) a[i][r] = first ? _mm512_setzero_ps() : acc[i * ROWS + r];
     for (int64_t j = 0; j < len; j += 16) {
         const __m512 w0 = _mm512_load_ps(wb + j), w1 = _mm512_load_ps(wb + CK + j);
         const __m512 w2 = _mm512_load_ps(wb + 2 * CK + j), w3 = _mm512_load_ps(wb + 3 * CK + j);
@@ -728,18 +728,18 @@ static inline __attribute__((always_inline)) void tile_rows(const int M, const f
         for (int r = 0; r < TILE; r++) acc[i * ROWS + r] = a[i][r];
 }
 
-static void tiles(const float* wb, const float* x, int64_t ldx, int64_t m, int64_t len, __m512* acc) {
+static void tiles(const float* wb, const float* x, int64_t ldx, int64_t m, int64_t len, int first, __m512* acc) {
     for (int h = 0; h < ROWS; h += TILE)
         for (int64_t i = 0; i < m; i += MX) {
             const float* xi = x + i * ldx;
             __m512* ai = acc + i * ROWS + h;
             switch (m - i < MX ? m - i : MX) {
-            case 1: tile_rows(1, wb + h * CK, xi, ldx, len, ai); break;
-            case 2: tile_rows(2, wb + h * CK, xi, ldx, len, ai); break;
-            case 3: tile_rows(3, wb + h * CK, xi, ldx, len, ai); break;
-            case 4: tile_rows(4, wb + h * CK, xi, ldx, len, ai); break;
-            case 5: tile_rows(5, wb + h * CK, xi, ldx, len, ai); break;
-            default: tile_rows(6, wb + h * CK, xi, ldx, len, ai);
+            case 1: tile_rows(1, wb + h * CK, xi, ldx, len, first, ai); break;
+            case 2: tile_rows(2, wb + h * CK, xi, ldx, len, first, ai); break;
+            case 3: tile_rows(3, wb + h * CK, xi, ldx, len, first, ai); break;
+            case 4: tile_rows(4, wb + h * CK, xi, ldx, len, first, ai); break;
+            case 5: tile_rows(5, wb + h * CK, xi, ldx, len, first, ai); break;
+            default: tile_rows(6, wb + h * CK, xi, ldx, len, first, ai);
             }
         }
 }
@@ -751,8 +751,8 @@ static inline __attribute__((always_inline)) void stored_item(int fmt, const Pro
     item_rows(p, o0, rows, row);
     float wb[ROWS * CK] __attribute__((aligned(64)));
     float s[ROWS][SROW] __attribute__((aligned(64)));
-    __m512 acc[MAX_M * ROWS];
-    for (int64_t k = 0; k < p->m * ROWS; k++) acc[k] = _mm512_setzero_ps();
+    __m512 acc[MAX_M * ROWS];  // set by the first chunk's tiles (no inputs at all: zeros)
+    for (int64_t k = 0; p->n == 0 && k < p->m * ROWS; k++) acc[k] = _mm512_setzero_ps();
     for (int64_t c = 0; c < p->n; c += CK) {
         const int64_t len = p->n - c < CK ? p->n - c : CK;
         if (FORMATS[fmt].values == QK_K) chunk_scales(fmt, ROWS, row, c, s);
@@ -767,7 +767,7 @@ static inline __attribute__((always_inline)) void stored_item(int fmt, const Pro
                 _mm512_store_ps(wb + r * CK + 32 * u + 16, w[1]);
             }
         }
-        tiles(wb, p->x + c, p->n, p->m, len, acc);
+        tiles(wb, p->x + c, p->n, p->m, len, c == 0, acc);
     }
     finish_block_item(p, o0, rows, p->m, acc);
 }
