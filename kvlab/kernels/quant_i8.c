@@ -278,6 +278,28 @@ static inline __m512i max_bits(__m512i a, __m512i b) {
     return _mm512_castps_si512(_mm512_max_ps(_mm512_castsi512_ps(a), _mm512_castsi512_ps(b)));
 }
 
+// A sub-block's |values| lane by lane (S = 16 · halves values at v): its largest is the lanes' largest
+static inline __m512 magnitudes(const float* v, int halves) {
+    __m512 amax = _mm512_setzero_ps();
+    for (int h = 0; h < halves; h++) amax = _mm512_max_ps(amax, _mm512_abs_ps(_mm512_loadu_ps(v + 16 * h)));
+    return amax;
+}
+
+// A sub-block's codes round(v · id), clamped to ±127, into q's 32 bytes (the second 16 zero where S = 16);
+// returns their sums lane by lane
+static inline __m512i codes_of(const float* v, int halves, __m512 id, int32_t* q) {
+    __m512i sum = _mm512_setzero_si512();
+    __m128i codes[2] = {_mm_setzero_si128(), _mm_setzero_si128()};
+    for (int h = 0; h < halves; h++) {
+        __m512i c = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(v + 16 * h), id));
+        c = _mm512_max_epi32(_mm512_min_epi32(c, _mm512_set1_epi32(127)), _mm512_set1_epi32(-127));
+        sum = _mm512_add_epi32(sum, c);
+        codes[h] = _mm512_cvtepi32_epi8(c);
+    }
+    _mm256_storeu_si256((__m256i*)q, _mm256_set_m128i(codes[1], codes[0]));
+    return sum;
+}
+
 // Sixteen sub-blocks of a row (S = 32 or 16 values each; block g at o[g · stride]) at a time: their
 // largest magnitudes, the reciprocals and the codes' sums, each a vector of 16, not 16 reductions and
 // divisions. The same numbers as one sub-block at a time (quantize_range): max and integer sums are
@@ -285,29 +307,13 @@ static inline __m512i max_bits(__m512i a, __m512i b) {
 static void quantize_sixteen(const float* v, int S, int off, XBlock* o, int64_t stride) {
     const int halves = S / 16;
     __m512i red[16];
-    for (int g = 0; g < 16; g++) {
-        __m512 amax = _mm512_setzero_ps();
-        for (int h = 0; h < halves; h++) amax = _mm512_max_ps(amax, _mm512_abs_ps(_mm512_loadu_ps(v + g * S + 16 * h)));
-        red[g] = _mm512_castps_si512(amax);
-    }
+    for (int g = 0; g < 16; g++) red[g] = _mm512_castps_si512(magnitudes(v + g * S, halves));
     REDUCE16(max_bits, red);
     const __m512 top = _mm512_castsi512_ps(red[0]);
     const __mmask16 positive = _mm512_cmp_ps_mask(top, _mm512_setzero_ps(), _CMP_GT_OQ);
     float ids[16];
     _mm512_storeu_ps(ids, _mm512_maskz_div_ps(positive, _mm512_set1_ps(127.0f), top));
-    for (int g = 0; g < 16; g++) {
-        const __m512 id = _mm512_set1_ps(ids[g]);
-        __m512i sum = _mm512_setzero_si512();
-        __m128i codes[2] = {_mm_setzero_si128(), _mm_setzero_si128()};
-        for (int h = 0; h < halves; h++) {
-            __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(v + g * S + 16 * h), id));
-            q = _mm512_max_epi32(_mm512_min_epi32(q, _mm512_set1_epi32(127)), _mm512_set1_epi32(-127));
-            sum = _mm512_add_epi32(sum, q);
-            codes[h] = _mm512_cvtepi32_epi8(q);
-        }
-        _mm256_storeu_si256((__m256i*)o[g * stride].q, _mm256_set_m128i(codes[1], codes[0]));
-        red[g] = sum;
-    }
+    for (int g = 0; g < 16; g++) red[g] = codes_of(v + g * S, halves, _mm512_set1_ps(ids[g]), o[g * stride].q);
     REDUCE16(_mm512_add_epi32, red);
     const __m512 dx = _mm512_div_ps(top, _mm512_set1_ps(127.0f));
     int32_t dxs[16], dx_sums[16], neg_offs[16];  // the floats' bits
@@ -331,20 +337,9 @@ static void quantize_range(const float* x, int64_t m, int64_t n, const Layout* l
         for (; b < groups; b++) {
             const float* v = x + i * n + b * l->S;
             XBlock* o = out + b * m + i;
-            __m512 a[2];
-            __m512 amax = _mm512_setzero_ps();
-            for (int h = 0; h < halves; h++) a[h] = _mm512_loadu_ps(v + 16 * h), amax = _mm512_max_ps(amax, _mm512_abs_ps(a[h]));
-            const float top = _mm512_reduce_max_ps(amax);
-            const __m512 id = _mm512_set1_ps(top > 0 ? 127.0f / top : 0.0f);
-            __m512i sum = _mm512_setzero_si512();
+            const float top = _mm512_reduce_max_ps(magnitudes(v, halves));
             memset(o, 0, sizeof *o);
-            for (int h = 0; h < halves; h++) {
-                __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(a[h], id));
-                q = _mm512_max_epi32(_mm512_min_epi32(q, _mm512_set1_epi32(127)), _mm512_set1_epi32(-127));
-                sum = _mm512_add_epi32(sum, q);
-                _mm_storeu_si128((__m128i*)o->q + h, _mm512_cvtepi32_epi8(q));
-            }
-            const int32_t total = _mm512_reduce_add_epi32(sum);
+            const int32_t total = _mm512_reduce_add_epi32(codes_of(v, halves, _mm512_set1_ps(top > 0 ? 127.0f / top : 0.0f), o->q));
             o->dx = top / 127.0f;
             o->dx_sum = o->dx * (float)total;
             o->neg_off = -l->off * total;
