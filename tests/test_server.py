@@ -243,6 +243,32 @@ def test_concurrent_requests_are_batched(server):
     wait_idle(llm)
 
 
+def test_a_steps_outputs_reach_the_event_loop_in_one_wake_up_in_order():
+    """The engine thread hands a step's outputs to each listening loop in one call, each request's in order;
+    a finished request stops listening, and an unknown one is skipped."""
+    import asyncio
+
+    from kvlab.output.processor import StepOutput
+    from kvlab.server.async_engine import AsyncEngine, _Listener
+
+    loop = asyncio.new_event_loop()
+    calls = []
+    real = loop.call_soon_threadsafe
+    loop.call_soon_threadsafe = lambda *a: (calls.append(a), real(*a))[1]
+    engine = AsyncEngine(engine=None)  # never started: only its delivery is exercised
+    queues = {rid: asyncio.Queue() for rid in ("a", "b")}
+    engine._listeners = {rid: _Listener(loop, q) for rid, q in queues.items()}
+    outs = [StepOutput(rid, [t], str(t), finished=(rid == "b" and t == 2), output=None)
+            for t in (1, 2) for rid in ("a", "b", "gone")]  # fmt: skip
+    engine._deliver_step(outs)
+    loop.run_until_complete(asyncio.sleep(0))
+    loop.close()
+    assert len(calls) == 1
+    got = {rid: [q.get_nowait().new_token_ids[0] for _ in range(q.qsize())] for rid, q in queues.items()}
+    assert got == {"a": [1, 2], "b": [1, 2]}
+    assert list(engine._listeners) == ["a"]
+
+
 def _greedy(n: int):
     from kvlab import SamplingParams
 
