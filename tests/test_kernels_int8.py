@@ -3,7 +3,8 @@
 Their contract: the exact weights times the activations rounded to int8 per sub-block (x̂ = dx·q with
 dx = max|x| / 127, 32 values per sub-block, 16 for Q6_K), to float32 tolerance; the same bits for a row
 alone or in any batch and on any number of threads; a model converted whole, its greedy output
-still the model's own on the registry-style tiny GGUF.
+still the model's own on the registry-style tiny GGUF. Where AMX has bfloat16 tiles, passes of
+quant.bf16_prompt_rows() rows or more: the weights and activations rounded to bfloat16, summed in float32.
 """
 
 from __future__ import annotations
@@ -116,19 +117,19 @@ def test_zero_and_tiny_activations_and_a_fused_matrix():
 @needs_kernel
 def test_interleaved_parts_take_prompt_sized_passes_and_refuse_dequantizing():
     part, w = interleaved("Q4_0", 24, 64, seed=1)
-    x = torch.randn(100, 64)  # far more rows than a decode step: still the kernel (no float copy exists)
+    x = torch.randn(60, 64)  # more rows than a decode step: still the kernel (no float copy exists)
     assert quant.applies(x, [part.fmt])
     y = quant.packed_linear(x, [part], 24)
     ref = rounded(x, 32).astype(np.float64) @ w.astype(np.float64).T
     assert np.abs(y.double().numpy() - ref).max() / np.abs(ref).max() <= 1e-5
-    # a prompt over wide rows goes in passes of rows whose activations stay in L2 (48 rows at 8,192
-    # inputs): the same bits as each row alone
+    # a pass over wide rows goes in passes of rows whose activations stay in L2 (48 rows at 8,192
+    # inputs): the same bits as each row alone (60 rows: below the bfloat16 passes' rows, on any machine)
     wide, w = interleaved("Q8_0", 20, 8192, seed=2)
-    x = torch.randn(100, 8192, generator=torch.Generator().manual_seed(4))
+    x = torch.randn(60, 8192, generator=torch.Generator().manual_seed(4))
     y = quant.packed_linear(x, [wide], 20)
     ref = rounded(x, 32).astype(np.float64) @ w.astype(np.float64).T
     assert np.abs(y.double().numpy() - ref).max() / np.abs(ref).max() <= 1e-5
-    for i in (0, 47, 48, 99):
+    for i in (0, 47, 48, 59):
         assert torch.equal(quant.packed_linear(x[i : i + 1], [wide], 20), y[i : i + 1]), i
     with pytest.raises(ValueError):
         quant.dequantize(part)
@@ -173,3 +174,35 @@ def test_the_narrower_builds_give_this_machines_bits(portable, fmt):
         y = torch.empty(rows, out)
         assert portable.kvlab_quant_matmul(fid, part.data.data_ptr(), 0, x.data_ptr(), y.data_ptr(), rows, n, out, out, 2) == 0
         assert torch.equal(y, quant.packed_linear(x, [part], out)), rows
+
+
+BF16_ROWS = quant.bf16_prompt_rows()
+needs_bf16_tiles = pytest.mark.skipif(not BF16_ROWS, reason="no AMX tiles for bfloat16 here: every pass is int8")
+
+
+def bf16(a: np.ndarray) -> np.ndarray:
+    """float32 values rounded to bfloat16 (to nearest, ties to even), as float64."""
+    return torch.from_numpy(np.ascontiguousarray(a, dtype=np.float32)).bfloat16().double().numpy()
+
+
+@needs_kernel
+@needs_bf16_tiles
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_prompt_sized_passes_multiply_in_bfloat16_and_a_rows_bits_stand_alone(fmt):
+    """From BF16_ROWS rows (AMX tiles for bfloat16): the weights and the activations rounded to bfloat16,
+    summed in float32; 40 and 200 outputs leave an item alone in its pair and part-filled ones; a row's
+    bits are the same in any pass of that size and on any threads, and not the int8 rows' numbers."""
+    n = 256
+    for out in (40, 200):
+        part, w = interleaved(fmt, out, n, seed=out)
+        x = torch.randn(BF16_ROWS + 150, n, generator=torch.Generator().manual_seed(out)) * 3
+        y = quant.packed_linear(x, [part], out, threads=2)
+        ref = bf16(x.numpy()) @ bf16(w).T
+        err = np.abs(y.double().numpy() - ref).max() / np.abs(ref).max()
+        assert err <= 1e-5, (fmt, out, err)
+        assert torch.equal(quant.packed_linear(x, [part], out, threads=1), y)
+        assert torch.equal(quant.packed_linear(x[7 : 7 + BF16_ROWS], [part], out), y[7 : 7 + BF16_ROWS])
+        int8_rows = quant.packed_linear(x[: BF16_ROWS - 1], [part], out)  # one row fewer: the int8 road
+        assert not torch.equal(int8_rows, y[: BF16_ROWS - 1])
+        exact = x.double().numpy() @ w.astype(np.float64).T
+        assert np.abs(y.double().numpy() - exact).max() / np.abs(exact).max() < 0.02, (fmt, out)

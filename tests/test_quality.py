@@ -13,7 +13,7 @@ from kvlab.kernels import ThreadPolicy
 from kvlab.kv.formats import KVFormats, Rotated, hadamard, kv_format
 from kvlab.model.loader import load_model
 from kvlab.quality import store
-from kvlab.quality.measure import Candidate, measure, verdict, windows_of
+from kvlab.quality.measure import Candidate, measure, passes, verdict, windows_of
 from tiny import build_tiny
 
 TEXT = "def add(a, b):\n    return a + b\n\nclass Point:\n    x: int\n    y: int\n" * 12
@@ -101,6 +101,26 @@ def test_rotation_is_on_for_block_formats_unless_turned_off():
         KVFormats.resolve("q8_0", rotation="sideways")
 
 
+def test_a_window_goes_as_a_prompt_then_decode_sized_passes_when_asked(qwen3, monkeypatch):
+    assert passes(10, 4) == [(0, 4), (4, 8), (8, 10)]
+    assert passes(10, 4, then=2) == [(0, 4), (4, 6), (6, 8), (8, 10)]
+    assert passes(3, 4, then=2) == [(0, 3)]
+    policy = ThreadPolicy(threads=1)
+    ref = Candidate("float32", qwen3, KVFormats.plain(torch.float32), policy)
+    q8 = Candidate("q8_0", qwen3, KVFormats.resolve("q8_0"), policy)
+    sizes, logits = [], Candidate.logits
+
+    def seen(self, ids, cache):
+        sizes.append(len(ids))
+        return logits(self, ids, cache)
+
+    monkeypatch.setattr(Candidate, "logits", seen)
+    got = measure(ref, [q8], _ids(200, 2), window=120, chunk=64, bos=1, then=8)[0]
+    assert got.tokens == 200 and got.mean_kld > 0
+    # the two windows (BOS and 119 tokens, BOS and 81): a prompt of 64, then passes of 8, for both models
+    assert sizes == [n for n in [64] + [8] * 7 for _ in range(2)] + [n for n in [64, 8, 8, 2] for _ in range(2)]
+
+
 def test_kvlab_quality_of_a_setting_against_itself_via_the_cli(capsys, tiny_chat_model, tmp_path, home):
     text = tmp_path / "text.txt"
     text.write_text(TEXT)
@@ -125,6 +145,8 @@ def test_kvlab_quality_reads_a_table_and_refuses_bad_input(capsys, tiny_chat_mod
     assert not (home / "quality").exists()  # --no-save
     assert main(["quality", str(tiny_chat_model), "--tokens", "1"]) == 2
     assert "--tokens must be at least 2" in capsys.readouterr().err
+    assert main(["quality", str(tiny_chat_model), "--decode-chunk", "0"]) == 2
+    assert "--decode-chunk must be at least 1" in capsys.readouterr().err
     assert main(["quality", str(tiny_chat_model), "--text", str(tmp_path / "absent.txt")]) == 2
     err = capsys.readouterr().err
     assert "absent.txt" in err and "Traceback" not in err

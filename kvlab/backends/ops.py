@@ -88,8 +88,9 @@ class TorchOps:
         """x [rows, in] · Wᵀ for an MXFP4 part, float32: here the reference's weights, then F.linear."""
         return F.linear(x.float(), self.dequantize(part))
 
-    def chunked_experts(self, num_rows: int) -> bool:
-        """Whether one expert's `num_rows` prompt rows go to the block kernels in decode-sized chunks."""
+    def chunked_experts(self, num_rows: int, formats: list[str] = ()) -> bool:
+        """Whether one expert's `num_rows` prompt rows (its matrix in `formats`) go to the block kernels in
+        decode-sized chunks."""
         return False
 
     def experts_applies(self, x: torch.Tensor, formats: list[str]) -> bool:
@@ -184,11 +185,17 @@ class CpuOps(TorchOps):
 
         return mxfp4.matmul(x, part)
 
-    def chunked_experts(self, num_rows):
+    def chunked_experts(self, num_rows, formats=()):
         # a prompt's rows for one expert (about tokens · k / E of them): the block kernels over chunks of rows
         # read the expert's blocks a few times, where BLAS would first expand them all to float32 (3× slower
-        # for Qwen3-30B-A3B's experts at 64 rows); up to CHUNKED_ROWS chunks
+        # for Qwen3-30B-A3B's experts at 64 rows); up to CHUNKED_ROWS chunks. Interleaved experts
+        # (--activation-quant int8) always: in passes of a prompt's size their products would go in
+        # bfloat16, where kernels/moe.c's tiles (a prompt's experts in one C call) compute every row in int8
+        from kvlab.kernels import quant
+
         rows = current().max_kernel_rows
+        if any(quant.is_interleaved(f) for f in formats):
+            return num_rows > rows
         return rows < num_rows <= CHUNKED_ROWS * rows
 
     def experts_applies(self, x, formats):

@@ -91,6 +91,15 @@ def isa() -> str:
     return lib["isa"]().decode() if lib else ""
 
 
+@functools.cache
+def bf16_prompt_rows() -> int:
+    """The rows from which the interleaved (`--activation-quant int8`) products go in bfloat16 on AMX
+    tiles rather than int8 (kernels/quant_i8.c's BF16_ROWS); 0 where this machine or build has no such
+    tiles."""
+    lib = _library()
+    return int(lib["bf16_rows"]()) if lib else 0
+
+
 def applies(x: torch.Tensor, formats: list[str], whole: bool = True) -> bool:
     """Whether packed_linear takes x [rows, in] with parts in `formats`: a pass the thread policy in
     force gives the block kernels (any size by default: see ThreadPolicy.packed_prompts, up to

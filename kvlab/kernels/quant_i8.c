@@ -29,6 +29,10 @@
 // Per (item, row of x, group): isum = codes · q − off·sum(q) (integers, exact); then
 // acc += float(isum) · (scale · dx) and, with mins, acc += min · (dx·sum(q)). The same operations in
 // the same order whatever the number of rows and threads: a row's bits do not depend on its batch.
+//
+// Where the CPU has AMX tiles for bfloat16, passes of BF16_ROWS rows or more (prompts) take another road
+// (bf16_pairs_of_items): the weights decoded and rounded to bfloat16, the activations too, vLLM's numbers.
+// There a row's bits do not depend on its batch either, but they are not the int8 rows' bits.
 
 #include <math.h>
 #include <stdint.h>
@@ -686,6 +690,161 @@ static void split_codes(const Layout* l, const uint8_t* item, int64_t groups, ui
     const int G = GROUPS_PER_SUPER(1, 8, l->kq), HB = (int)head_bytes(l), CB = CODE_BYTES(1, 8);
     for (int64_t b = 0; b < groups; b++) split_group(item + b / G * (HB + G * CB) + HB + (b % G) * CB, out + b * 512);
 }
+
+#if defined(__AMX_BF16__) && defined(__AVX512BF16__)
+// Passes of BF16_ROWS rows or more (a prompt's; a decode step of that many sequences) in bfloat16 on the
+// tiles, vLLM's numbers on a CPU: each item's weights decoded once a pass (scale·(code − off) + min, as
+// float32, then rounded to bfloat16) into a panel the tiles read as their B operand, the activations
+// rounded to bfloat16 once, and one TDPBF16PS per 32 values of K for a 16 × 16 block of outputs, summed in
+// float32 in the tile across the whole of K. No group's sums leave the tiles to be scaled, which bounds
+// the int8 tiles above (a store, load, convert and multiply-add per row and group). The rounding differs:
+// a value's bfloat16 is within 2^-9 of it, where an int8 sub-block's code is within max|x|/254. A row's
+// result depends only on its own activations, as on every path here, but it is not the int8 rows' result.
+#define BF16 1
+// From BF16_ROWS rows a pass decodes its weights to bfloat16: SmolLM2's products on 2 threads, int8 tiles
+// against these, at 32 rows 0.39 against 0.41 ms (q/k/v, o, gate/up, down), at 64 0.73 against 0.56, at
+// 96 1.23 against 0.77; at 512 rows on one thread, gate/up 4.45 against 2.20 ms
+#define BF16_ROWS 64
+
+// (lo[r], hi[r]) as bfloat16 in 32-bit lane r: two consecutive values of K of output row r, the pair
+// the tiles' B operand holds
+static inline __m512i bf16_pairs(__m512 lo, __m512 hi) {
+    const __m512i order = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
+                                           21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);  // fmt: skip
+    return _mm512_permutexvar_epi16(order, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+}
+
+// An item's weights as bfloat16 pairs: panel row p (64 bytes) holds values 2p and 2p + 1 of K for its 16
+// output rows; group b fills rows b·S/2 onwards
+static void panel_of(const Layout* l, const uint8_t* item, int64_t groups, uint32_t* panel) {
+    const int64_t HB = head_bytes(l), CB = code_bytes(l);
+    const __m512i byte = _mm512_set1_epi32(255), low4 = _mm512_set1_epi32(15);
+    for (int64_t b = 0; b < groups; b++) {
+        int gi;
+        const uint8_t* head = group_head(l, item, b, &gi);
+        const uint8_t* g = head + HB + gi * CB;
+        __m512 min;
+        const __m512 scale = group_scales(head, gi, l->G, l->has_min, l->kq, &min);
+        const __m512 bias = _mm512_fnmadd_ps(_mm512_set1_ps((float)l->off), scale, min);  // min − off·scale
+        __m512 v[32];  // value j of the group, lane r: output row r's
+        for (int k = 0; k < (l->nibble ? 4 : l->S / 4); k++) {
+            const __m512i word = _mm512_loadu_si512(g + 64 * k);  // lane r: values 4k .. 4k + 3 of row r
+            for (int t = 0; t < 4; t++) {
+                const __m512i c = _mm512_srli_epi32(word, 8 * t);
+                if (l->nibble) {
+                    v[4 * k + t] = _mm512_cvtepi32_ps(_mm512_and_si512(c, low4));
+                    v[16 + 4 * k + t] = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(c, 4), low4));
+                } else {
+                    v[4 * k + t] = _mm512_cvtepi32_ps(_mm512_and_si512(c, byte));
+                }
+            }
+        }
+        uint32_t* rows = panel + b * (l->S / 2) * LANES;
+        for (int q = 0; q < l->S / 2; q++)
+            _mm512_store_si512(rows + LANES * q, bf16_pairs(_mm512_fmadd_ps(v[2 * q], scale, bias),
+                                                            _mm512_fmadd_ps(v[2 * q + 1], scale, bias)));
+    }
+}
+
+typedef struct {
+    Layout l;
+    const uint8_t* w;
+    const uint16_t* xb;  // the activations as bfloat16 [rows, n], rows m rounded up to 32 (zeros past m)
+    float* y;
+    int64_t m, n, groups, ldy, out;
+    int* failed;  // set when a thread found no memory for its panels
+} Bf16Product;
+
+static void bf16_configure(void) {
+    TileConfig c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int t = 0; t < 8; t++) c.rows[t] = 16, c.colsb[t] = 64;
+    __asm__ volatile("" : : "r"(&c) : "memory");
+    _tile_loadconfig(&c);
+}
+
+// Work items here are pairs of items (32 outputs): the tiles hold 32 rows × 32 outputs of sums (0-3),
+// two 16-row blocks of activations (4, 5) and the two items' panels (6, 7)
+static void bf16_pairs_of_items(void* ctx, uint32_t begin, uint32_t end) {
+    const Bf16Product* p = ctx;
+    const int64_t n = p->n, ib = item_bytes(&p->l, p->groups), items = (p->out + LANES - 1) / LANES;
+    uint32_t* panel = aligned_alloc(64, 2 * n * 32);  // two items: n/2 rows of 64 bytes each
+    float sums[32 * 32] __attribute__((aligned(64)));
+    if (!panel) {
+        __atomic_store_n(p->failed, 1, __ATOMIC_RELAXED);
+        return;
+    }
+    bf16_configure();
+    for (int64_t pair = begin; pair < end; pair++) {
+        const int64_t it = 2 * pair;
+        const int two = it + 1 < items;
+        panel_of(&p->l, p->w + it * ib, p->groups, panel);
+        if (two) panel_of(&p->l, p->w + (it + 1) * ib, p->groups, panel + n * 8);
+        for (int64_t i0 = 0; i0 < p->m; i0 += 32) {
+            const uint16_t* x0 = p->xb + i0 * n;
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
+            for (int64_t k = 0; k < n; k += 32) {  // 32 values of K: 16 panel rows
+                _tile_loadd(4, x0 + k, n * 2);
+                _tile_loadd(5, x0 + 16 * n + k, n * 2);
+                _tile_loadd(6, panel + k * 8, 64);
+                _tile_dpbf16ps(0, 4, 6);
+                _tile_dpbf16ps(2, 5, 6);
+                if (two) {
+                    _tile_loadd(7, panel + n * 8 + k * 8, 64);
+                    _tile_dpbf16ps(1, 4, 7);
+                    _tile_dpbf16ps(3, 5, 7);
+                }
+            }
+            _tile_stored(0, sums, 128);
+            _tile_stored(2, sums + 16 * 32, 128);
+            if (two) {
+                _tile_stored(1, sums + 16, 128);
+                _tile_stored(3, sums + 16 * 32 + 16, 128);
+            }
+            const int64_t o0 = it * LANES, width = p->out - o0 < 32 ? p->out - o0 : 32;
+            const __mmask16 lo = width >= 16 ? 0xFFFF : (__mmask16)((1u << width) - 1);
+            const __mmask16 hi = width >= 32 ? 0xFFFF : width <= 16 ? 0 : (__mmask16)((1u << (width - 16)) - 1);
+            for (int64_t i = i0; i < p->m && i < i0 + 32; i++) {
+                _mm512_mask_storeu_ps(p->y + i * p->ldy + o0, lo, _mm512_load_ps(sums + (i - i0) * 32));
+                if (hi) _mm512_mask_storeu_ps(p->y + i * p->ldy + o0 + 16, hi, _mm512_load_ps(sums + (i - i0) * 32 + 16));
+            }
+        }
+    }
+    _tile_release();
+    free(panel);
+}
+
+typedef struct {
+    const float* x;
+    uint16_t* xb;
+    int64_t m, n;
+} Bf16Rows;
+
+static void bf16_rows(void* ctx, uint32_t begin, uint32_t end) {  // rows begin .. end − 1 rounded (zeros past m)
+    const Bf16Rows* r = ctx;
+    for (int64_t i = begin; i < end; i++) {
+        uint16_t* out = r->xb + i * r->n;
+        for (int64_t k = 0; k < r->n; k += 16) {
+            const __m512 v = i < r->m ? _mm512_loadu_ps(r->x + i * r->n + k) : _mm512_setzero_ps();
+            _mm256_storeu_si256((__m256i*)(out + k), (__m256i)_mm512_cvtneps_pbh(v));
+        }
+    }
+}
+
+// x [m, n] as bfloat16, m rounded up to 32 rows; NULL when there is no memory for it
+static uint16_t* bf16_activations(const float* x, int64_t m, int64_t n, int threads) {
+    const int64_t rows = (m + 31) / 32 * 32;
+    uint16_t* xb = aligned_alloc(64, rows * n * 2);
+    if (!xb) return NULL;
+    Bf16Rows r = {x, xb, m, n};
+    kvlab_pool_run(bf16_rows, &r, (uint32_t)rows, 16, threads);
+    return xb;
+}
+#endif
 #endif
 
 static void items(void* ctx, uint32_t begin, uint32_t end) {
@@ -909,6 +1068,25 @@ static int tiles_for(int64_t m) {
 #endif
 }
 
+// Whether a pass goes in bfloat16 on the tiles: built for them, the OS's leave, a prompt's rows, and K in
+// whole 32s (every format's rows are)
+static int bf16_for(int64_t m, int64_t n) {
+#if defined(BF16)
+    return m >= BF16_ROWS && n % 32 == 0 && amx_available();
+#else
+    (void)m, (void)n;
+    return 0;
+#endif
+}
+
+int kvlab_i8_bf16_rows(void) {
+#if defined(BF16)
+    return amx_available() ? BF16_ROWS : 0;
+#else
+    return 0;
+#endif
+}
+
 // Rows a pass over the matrix takes: a prompt's activations (64 bytes a sub-block and row) in passes
 // that stay in L2 (about 768 KB) while every item reads them, rather than each item streaming them all
 // from L3 (Qwen2.5's 4,864-wide down projection at 512 rows: 5 MB a pass). A multiple of 16 rows.
@@ -943,6 +1121,12 @@ int kvlab_i8_matmul(int fmt, const uint8_t* w, const float* x, float* y, int64_t
     Layout l;
     if (layout(fmt, &l) || n % l.S || (out + LANES - 1) / LANES >= UINT32_MAX) return -1;
     const int64_t groups = n / l.S;
+    if (bf16_for(m, n)) {
+        const int fmts[1] = {fmt};
+        const uint8_t* ws[1] = {w};
+        const int64_t outs[1] = {out};
+        return kvlab_i8_matmul_parts(1, fmts, ws, outs, x, y, m, n, ldy, threads);
+    }
     XBlock* xq = aligned_alloc(64, m * groups * sizeof(XBlock));
     if (!xq) return -2;
     quantize_rows(x, m, n, &l, xq, threads);
@@ -971,6 +1155,24 @@ int kvlab_i8_matmul_parts(int num, const int* fmt, const uint8_t* const* w, cons
     if (num > KVLAB_MAX_JOBS) return -1;
     for (int j = 0; j < num; j++)
         if (layout(fmt[j], &l[j]) || n % l[j].S || (out[j] + LANES - 1) / LANES >= UINT32_MAX) return -1;
+#if defined(BF16)
+    if (bf16_for(m, n)) {
+        uint16_t* xb = bf16_activations(x, m, n, threads);
+        if (!xb) return -2;
+        Bf16Product b[KVLAB_MAX_JOBS];
+        int failed = 0;
+        int64_t column = 0;
+        for (int j = 0; j < num; j++) {
+            b[j] = (Bf16Product){l[j], w[j], xb, y + column, m, n, n / l[j].S, ldy, out[j], &failed};
+            jobs.task[j] = bf16_pairs_of_items, jobs.ctx[j] = &b[j];
+            jobs.first[j + 1] = jobs.first[j] + (uint32_t)((out[j] + 2 * LANES - 1) / (2 * LANES));
+            column += out[j];
+        }
+        kvlab_pool_run_jobs(&jobs, 1, threads);
+        free(xb);
+        return failed ? -2 : 0;
+    }
+#endif
     int64_t column = 0;
     for (int j = 0; j < num; j++) {
         const int64_t groups = n / l[j].S;

@@ -12,3 +12,5 @@ int kvlab_i8_matmul(int fmt, const uint8_t* w, const float* x, float* y, int64_t
                     int64_t out, int threads);
 int kvlab_i8_matmul_parts(int num, const int* fmt, const uint8_t* const* w, const int64_t* out, const float* x,
                           float* y, int64_t m, int64_t n, int64_t ldy, int threads);
+// The rows from which a pass multiplies in bfloat16 on AMX tiles instead (0: never, on this machine)
+int kvlab_i8_bf16_rows(void);

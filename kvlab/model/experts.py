@@ -90,7 +90,7 @@ class Experts(nn.Module):
         if name not in self.formats:
             return current_ops().linear(x, getattr(self, name)[e], None if bias is None else bias[e])
         parts, rows = self.expert_parts(name, e), current().max_kernel_rows
-        if current_ops().chunked_experts(x.shape[0]):  # a prompt's rows for one expert, in decode-sized chunks
+        if current_ops().chunked_experts(x.shape[0], self.formats[name]):  # a prompt's rows, in decode-sized chunks
             y = torch.cat([packed_product(x[i : i + rows], parts) for i in range(0, x.shape[0], rows)])
         else:
             y = packed_product(x, parts)  # float32 [n, out]

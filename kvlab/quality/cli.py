@@ -16,6 +16,7 @@ from kvlab.errors import KvlabError
 
 DEFAULT_TOKENS = 8192
 DEFAULT_WINDOW = 2048
+DECODE_CHUNK = 16  # --activation-quant's passes after a window's prompt: a decode step's rows
 
 
 def register(subparsers) -> None:
@@ -47,14 +48,19 @@ def register(subparsers) -> None:
     t.add_argument("--window", type=int, default=DEFAULT_WINDOW,
                    help="tokens per window; each starts with an empty cache")
     t.add_argument("--chunk", type=int, default=512, help="tokens per forward pass within a window")
+    t.add_argument("--decode-chunk", type=int, metavar="N",
+                   help="after a window's first --chunk tokens (its prompt), N tokens per pass, as a decode's "
+                        "(default: --chunk; with --activation-quant, 16: that setting computes a prompt's passes "
+                        "and a decode's differently, and this measures both as served)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--no-save", action="store_true", help="do not keep the result for kvlab run / serve")
     p.set_defaults(func=run)
 
 
 def _check(args) -> None:
-    for flag, value, least in (("--tokens", args.tokens, 2), ("--window", args.window, 2), ("--chunk", args.chunk, 1)):
-        if value < least:
+    for flag, value, least in (("--tokens", args.tokens, 2), ("--window", args.window, 2), ("--chunk", args.chunk, 1),
+                               ("--decode-chunk", args.decode_chunk, 1)):  # fmt: skip
+        if value is not None and value < least:
             raise KvlabError(f"{flag} must be at least {least}, got {value}")
     if args.threads is not None and args.threads < 1:
         raise KvlabError(f"--threads must be at least 1, got {args.threads}")
@@ -107,8 +113,11 @@ def run(args: argparse.Namespace) -> int:
         if sys.stderr.isatty() and not args.json:
             print(f"\r  window {done}/{total}", end="" if done < total else "\n", file=sys.stderr, flush=True)
 
-    result = measure(reference, [candidate], ids, window=window, chunk=args.chunk, bos=bos, progress=progress)[0]
-    record = {**result.to_dict(), "model": str(args.model), "text": what, "window": window,
+    then = args.decode_chunk or (DECODE_CHUNK if args.activation_quant else None)
+    result = measure(reference, [candidate], ids, window=window, chunk=args.chunk, bos=bos, progress=progress,
+                     then=then)[0]  # fmt: skip
+    record = {**result.to_dict(), "model": str(args.model), "text": what, "window": window, "chunk": args.chunk,
+              "decode_chunk": then,
               "kv_k": formats.k.name, "kv_v": formats.v.name, "kv_rotation": [formats.rotate_k, formats.rotate_v], "weights": weights, "dtype": args.dtype}  # fmt: skip
     kept = None
     if not args.no_save:
@@ -130,7 +139,8 @@ def render(r: dict, kept) -> str:
     lines = [
         f"kvlab quality · {r['model']} · {r['setting']}, against float32 KV with the weights as stored",
         f"text: {r['text']}",
-        f"      {r['tokens']:,} positions scored, windows of up to {r['window']:,} tokens",
+        f"      {r['tokens']:,} positions scored, windows of up to {r['window']:,} tokens"
+        + (f" (a first pass of {r['chunk']:,}, then passes of {r['decode_chunk']})" if r.get("decode_chunk") else ""),
         "",
         f"  mean KLD      {r['mean_kld']:.6f}",
         f"  median KLD    {r['median_kld']:.6f}",

@@ -1,7 +1,8 @@
 """The reference and the chosen settings over the same token windows, position by position.
 
     for each window of up to `window` tokens (a fresh cache each, [BOS] first when the model wants it):
-        for each chunk of `chunk` tokens:             the cache carries everything before the chunk
+        for each chunk of `chunk` tokens (or a first   the cache carries everything before the chunk
+        one of `chunk`, then chunks of `then`):
             reference logits [T, V]                   float32 KV, the model's own weights
             each candidate's logits [T, V]            its own model (when the weights differ) and cache
             per position: KL(p_ref ‖ p), top tokens equal?, −log p(next token) under both
@@ -113,6 +114,16 @@ def windows_of(ids: list[int], window: int, bos: int | None) -> list[list[int]]:
     return out
 
 
+def passes(length: int, chunk: int, then: int | None = None) -> list[tuple[int, int]]:
+    """(start, end) of the passes a window of `length` tokens is fed in: `chunk` tokens at a time; with
+    `then`, a first pass of `chunk` (a prompt) and then passes of `then` tokens (a decode's size, where a
+    setting computes a pass's rows by its size: --activation-quant's bfloat16 prompt passes)."""
+    bounds = [0, min(chunk, length)]
+    while bounds[-1] < length:
+        bounds.append(min(bounds[-1] + (then or chunk), length))
+    return list(zip(bounds, bounds[1:]))
+
+
 def measure(
     reference: Candidate,
     candidates: list[Candidate],
@@ -121,8 +132,10 @@ def measure(
     chunk: int = 512,
     bos: int | None = None,
     progress: Callable[[int, int], None] | None = None,
+    then: int | None = None,
 ) -> list[QualityResult]:
-    """Each candidate against the reference over `ids`; one result per candidate, in order."""
+    """Each candidate against the reference over `ids`; one result per candidate, in order. Each window is
+    fed in `passes(len, chunk, then)`."""
     started = time.perf_counter()
     pieces = windows_of(ids, window, bos)
     tallies = [_Tally() for _ in candidates]
@@ -130,8 +143,8 @@ def measure(
     for w, piece in enumerate(pieces):
         ref_cache = reference.new_cache(len(piece))
         caches = [c.new_cache(len(piece)) for c in candidates]
-        for c0 in range(0, len(piece), chunk):
-            part = piece[c0 : c0 + chunk]
+        for c0, c1 in passes(len(piece), chunk, then):
+            part = piece[c0:c1]
             targets = torch.tensor(piece[c0 + 1 : c0 + 1 + len(part)], device=reference.loaded.model.device)
             m = len(targets)  # the window's last position has no next token to score
             ref_logits = reference.logits(part, ref_cache)[:m]

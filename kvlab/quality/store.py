@@ -20,7 +20,11 @@ from kvlab.kv.formats import KVFormat, KVFormats
 
 def weights_name(dequantize: bool = False, quantization: str | None = None, activation_quant: str | None = None) -> str:
     name = f"{quantization} at load" if quantization else "dequantized" if dequantize else "as stored"
-    return f"{name}, {activation_quant} activations" if activation_quant else name
+    if not activation_quant:
+        return name
+    from kvlab.quant.activations import setting_name
+
+    return f"{name}, {setting_name(activation_quant)}"
 
 
 def _fmt(f: KVFormat) -> str:

@@ -12,6 +12,13 @@ result does not depend on the batch it came in, as on the exact path; but the ro
 last-bit differences upstream (a prompt prefilled packed with others, or over cached blocks, has
 attention sums in another order), so greedy tokens are reproducible only where the prefill is.
 
+Where the CPU has AMX tiles for bfloat16, passes of 64 rows or more (a prompt's; a decode step of 64
+sequences) do not round to int8: the weights are decoded and rounded to bfloat16 once a pass, the
+activations too, and the tiles sum in float32 (vLLM's numbers, 2-2.5× the int8 tiles' speed there;
+kernels/quant_i8.c). A row's bits again depend on nothing beside it, but they are not its int8 bits,
+so `setting_name` says which the machine does, and `kvlab quality` measures the setting as served: a
+window's first 512 tokens in one pass, the rest 16 at a time.
+
     with_int8_activations(loaded)   every packed matrix of the model interleaved (a mixture's experts
                                     expert by expert: all of them then resident in memory, where the
                                     exact path leaves an unchosen expert's blocks on disk); the
@@ -34,6 +41,16 @@ ACTIVATION_QUANT = ("int8",)  # the settings `--activation-quant` takes
 def check_activation_quant(value: str | None) -> None:
     if value is not None and value not in ACTIVATION_QUANT:
         raise KvlabError(f"activation_quant {value!r} is not one of: {', '.join(ACTIVATION_QUANT)}")
+
+
+def setting_name(activation_quant: str) -> str:
+    """The setting as this machine computes it, as run's notes and kept quality verdicts name it: "int8
+    activations", plus "bfloat16 prompt passes" where AMX tiles take passes of a prompt's size in bfloat16
+    (kernels/quant_i8.c): the two compute different numbers, so each has its own measurement."""
+    from kvlab.kernels import quant
+
+    rows = quant.bf16_prompt_rows() if activation_quant == "int8" else 0
+    return f"{activation_quant} activations" + (f", bfloat16 passes from {rows} rows" if rows else "")
 
 
 def with_int8_activations(loaded):
@@ -73,7 +90,7 @@ def with_int8_activations(loaded):
     if not converted:
         raise KvlabError("--activation-quant int8 applies to matrices in GGUF block formats (a .gguf file, or "
                          "--quantization q8_0 / q4_0); this model has none")  # fmt: skip
-    note = "int8 activations" + (f" ({kept} matrices exact)" if kept else "")
+    note = setting_name("int8") + (f" ({kept} matrices exact)" if kept else "")
     return dataclasses.replace(loaded, weight_format=f"{loaded.weight_format}, {note}")
 
 
