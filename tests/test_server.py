@@ -292,6 +292,15 @@ def test_serve_prints_its_memory_plan_then_the_measured_figures(tiny_chat_model,
     assert llm.engine.cache.nbytes() == plan.nbytes and weights == llm.loaded.weight_bytes
 
 
+def test_vllms_name_for_the_token_budget_works_too(tiny_chat_model):
+    from kvlab.cli import build_parser
+    from kvlab.engine_cli import engine_options
+
+    for flag in ("--max-batched-tokens", "--max-num-batched-tokens"):
+        args = build_parser().parse_args(["serve", str(tiny_chat_model), flag, "256"])
+        assert engine_options(args)["max_num_batched_tokens"] == 256
+
+
 @pytest.mark.parametrize(
     "args, words",
     [
