@@ -45,8 +45,8 @@ def check_activation_quant(value: str | None) -> None:
 
 def setting_name(activation_quant: str) -> str:
     """The setting as this machine computes it, as run's notes and kept quality verdicts name it: "int8
-    activations", plus "bfloat16 prompt passes" where AMX tiles take passes of a prompt's size in bfloat16
-    (kernels/quant_i8.c): the two compute different numbers, so each has its own measurement."""
+    activations", plus ", bfloat16 passes from 64 rows" where AMX tiles take passes of that many rows in
+    bfloat16 (kernels/quant_i8.c): the two compute different numbers, so each has its own measurement."""
     from kvlab.kernels import quant
 
     rows = quant.bf16_prompt_rows() if activation_quant == "int8" else 0
