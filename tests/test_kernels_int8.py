@@ -190,10 +190,11 @@ def bf16(a: np.ndarray) -> np.ndarray:
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_prompt_sized_passes_multiply_in_bfloat16_and_a_rows_bits_stand_alone(fmt):
     """From BF16_ROWS rows (AMX tiles for bfloat16): the weights and the activations rounded to bfloat16,
-    summed in float32; 40 and 200 outputs leave an item alone in its pair and part-filled ones; a row's
-    bits are the same in any pass of that size and on any threads, and not the int8 rows' numbers."""
+    summed in float32; 40, 200 and 584 outputs leave an item alone in its pair and part-filled ones, and
+    584 (37 items) makes runs of 2 pairs on 2 threads, of 4 on one; a row's bits are the same in any pass
+    of that size and on any threads, and not the int8 rows' numbers."""
     n = 256
-    for out in (40, 200):
+    for out in (40, 200, 584):
         part, w = interleaved(fmt, out, n, seed=out)
         x = torch.randn(BF16_ROWS + 150, n, generator=torch.Generator().manual_seed(out)) * 3
         y = quant.packed_linear(x, [part], out, threads=2)
