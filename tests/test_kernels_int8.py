@@ -87,8 +87,9 @@ def test_a_rows_bits_do_not_depend_on_its_batch_or_the_threads(fmt):
 
 # bytes a weight of the interleaved copy: the codes as the kernels read them (4-bit or widened to 8)
 # and each sub-block's scale (and min) as the file keeps it, not as a float32
-BYTES_PER_WEIGHT = {"Q8_0": 1 + 2 / 32, "Q4_0": 0.5 + 2 / 32, "Q4_1": 0.5 + 4 / 32, "Q5_0": 1 + 2 / 32,
-                    "Q4_K": 0.5 + 2 / 32 + 8 / 256, "Q5_K": 1 + 2 / 32 + 8 / 256, "Q6_K": 1 + 1 / 16 + 4 / 256}
+# 5-bit codes: 4 bits, and a plane of their fifth bits (4 bytes a row and 32 values)
+BYTES_PER_WEIGHT = {"Q8_0": 1 + 2 / 32, "Q4_0": 0.5 + 2 / 32, "Q4_1": 0.5 + 4 / 32, "Q5_0": 0.5 + 4 / 32 + 2 / 32,
+                    "Q4_K": 0.5 + 2 / 32 + 8 / 256, "Q5_K": 0.5 + 4 / 32 + 2 / 32 + 8 / 256, "Q6_K": 1 + 1 / 16 + 4 / 256}
 
 
 @needs_kernel

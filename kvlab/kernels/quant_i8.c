@@ -15,8 +15,10 @@
 // 16 rows with 4 codes of x broadcast to all lanes, and lane r ends as row r's sum: no horizontal sums.
 //
 //   codes as 4-bit (Q4_0, Q4_1, Q4_K): register k (0..3) holds bytes 4k..4k+3 of each row's 16 bytes,
-//   byte j = code j | code j + 16 << 4; as 8-bit (Q8_0 + 128, Q5_0, Q5_K, Q6_K): register k holds codes
-//   4k..4k+3.
+//   byte j = code j | code j + 16 << 4; as 5-bit (Q5_0, Q5_K): the same of their low 4 bits, then one
+//   register more whose lane r has bit j set where row r's code j has its fifth (a decode step reads
+//   0.69 bytes a Q5_0 weight, not the 1.06 of 8-bit codes); as 8-bit (Q8_0 + 128, Q6_K): register k holds
+//   codes 4k..4k+3.
 //
 // The groups go in super-blocks of G: a head with the G groups' scales (and mins), then their codes, each
 // part in whole 64-byte lines. The scales are kept as the source has them, not as float32 (which read a
@@ -56,7 +58,7 @@
 
 typedef struct {
     int S;        // values per sub-block (one group)
-    int nibble;   // codes stored as 4-bit
+    int nibble;   // codes stored as 4-bit (1), or as 4-bit plus a plane of their fifth bits (2)
     int off;      // weight = scale·(code − off) + min
     int has_min;  // a per-sub-block min
     int G;        // groups per super-block
@@ -66,7 +68,7 @@ typedef struct {
 // By quant.c's source format id (its enum): F32, F16, BF16 have no interleaved form
 static const Layout LAYOUTS[] = {
     [KVLAB_Q8_0] = {32, 0, 128, 0, 2, 0}, [KVLAB_Q4_0] = {32, 1, 8, 0, 2, 0}, [KVLAB_Q4_1] = {32, 1, 0, 1, 2, 0},
-    [KVLAB_Q5_0] = {32, 0, 16, 0, 2, 0},  [KVLAB_Q4_K] = {32, 1, 0, 1, 8, 1}, [KVLAB_Q5_K] = {32, 0, 0, 1, 8, 1},
+    [KVLAB_Q5_0] = {32, 2, 16, 0, 2, 0},  [KVLAB_Q4_K] = {32, 1, 0, 1, 8, 1}, [KVLAB_Q5_K] = {32, 2, 0, 1, 8, 1},
     [KVLAB_Q6_K] = {16, 0, 32, 0, 16, 1},
 };
 
@@ -76,8 +78,8 @@ static int layout(int fmt, Layout* l) {
     return 0;
 }
 
-// One group's codes: 16 rows of S codes, as 4-bit or 8-bit
-static int64_t code_bytes(const Layout* l) { return LANES * (l->nibble ? l->S / 2 : l->S); }
+// One group's codes: 16 rows of S codes, as 4-bit (and a 64-byte plane of fifth bits) or 8-bit
+static int64_t code_bytes(const Layout* l) { return LANES * (l->nibble ? l->S / 2 : l->S) + (l->nibble == 2 ? 64 : 0); }
 
 // A super-block's head (G groups; MIN: with mins; KQ: K-quant). K-quants: sc int8 [G][16], (mins) m int8
 // [G][16], d float [16], (mins) −dmin float [16]. The others: scales float16 [G][16], (mins) mins
@@ -213,7 +215,7 @@ int kvlab_i8_repack(int fmt, const uint8_t* w, int64_t ldw, int64_t rows, int64_
     Layout l;
     if (layout(fmt, &l) || n % block_values || block_values % l.S) return -1;
     const int64_t groups = n / l.S, ib = item_bytes(&l, groups), per_block = block_values / l.S;
-    const int cb = (int)code_bytes(&l) / LANES;  // one row's code bytes in a group
+    const int regs = l.nibble ? l.S / 8 : l.S / 4;  // a group's 64-byte code registers (past them: the plane)
     memset(out, 0, (rows + LANES - 1) / LANES * ib);  // missing rows: zero codes, scales, mins
     Split split;
     for (int64_t r = 0; r < rows; r++) {
@@ -226,11 +228,13 @@ int kvlab_i8_repack(int fmt, const uint8_t* w, int64_t ldw, int64_t rows, int64_
                 uint8_t* head = (uint8_t*)group_head(&l, item, b * per_block + s, &gi);
                 uint8_t* g = head + head_bytes(&l) + gi * code_bytes(&l);
                 const uint8_t* c = split.codes + s * l.S;
-                for (int k = 0; k < cb / 4; k++)  // register k, lane `lane`: 4 bytes
+                for (int k = 0; k < regs; k++)  // register k, lane `lane`: 4 bytes
                     for (int t = 0; t < 4; t++) {
                         const int j = 4 * k + t;
-                        g[64 * k + 4 * lane + t] = l.nibble ? (uint8_t)(c[j] | c[j + 16] << 4) : c[j];
+                        g[64 * k + 4 * lane + t] = l.nibble ? (uint8_t)((c[j] & 15) | (c[j + 16] & 15) << 4) : c[j];
                     }
+                for (int j = 0; l.nibble == 2 && j < l.S; j++)  // the plane: lane's bit j, code j's fifth
+                    g[64 * regs + 4 * lane + j / 8] |= (uint8_t)((c[j] >> 4 & 1) << (j % 8));
                 if (!l.kq) {
                     memcpy(head + scale_at(&l, gi) + 2 * lane, &split.half_scale, 2);
                     if (l.has_min) memcpy(head + min_at(&l, gi) + 2 * lane, &split.half_min, 2);
@@ -452,7 +456,7 @@ typedef struct {
 // A kernel's layout as constants (NIB: 4-bit codes; NW: code registers per group, 4 or 8; MIN; KQ: integer
 // scales), so that finding group b is shifts and adds: its super-block, its place there, its codes.
 #define GROUPS_PER_SUPER(NIB, NW, KQ) ((KQ) ? (!(NIB) && (NW) == 4 ? 16 : 8) : 2)
-#define CODE_BYTES(NIB, NW) (64 * ((NIB) ? (NW) / 2 : (NW)))
+#define CODE_BYTES(NIB, NW) (64 * ((NIB) ? (NW) / 2 : (NW)) + ((NIB) == 2 ? 64 : 0))
 
 #if defined(VNNI)
 // M activation rows against one item's groups. NIB, NW (code registers per group: 4 or 8) and MIN are
@@ -461,6 +465,15 @@ typedef struct {
 static inline __m512 int8_times16(const uint8_t* sc, const float* d) {  // 16 int8 as floats, times d lane by lane
     const __m128i q = _mm_loadu_si128((const __m128i*)sc);
     return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)), _mm512_loadu_ps(d));
+}
+
+// Code register k (codes 4k .. 4k + 3 of each lane's row, their low 4 bits) with their fifth bits from a
+// 5-bit layout's plane (lane r's bit j: code j's fifth): the plane's byte k/2 copied to the lane's four
+// bytes, each tested for its own bit, and 16 added where it is set
+static inline __m512i with_fifth_bits(__m512i w, __m512i plane, int k) {
+    const __m512i at = _mm512_add_epi8(_mm512_set4_epi32(0x0C0C0C0C, 0x08080808, 0x04040404, 0), _mm512_set1_epi8((char)(k / 2)));
+    const __mmask64 set = _mm512_test_epi8_mask(_mm512_shuffle_epi8(plane, at), _mm512_set1_epi32(k % 2 ? (int)0x80402010 : 0x08040201));
+    return _mm512_mask_add_epi8(w, set, w, _mm512_set1_epi8(16));
 }
 
 // Group gi's 16 lanes' scales (and mins, else zeros) from its super-block's head: lane_scale's numbers
@@ -497,6 +510,8 @@ static inline __attribute__((always_inline)) void item_rows(const Product* p, co
                 const __m512i v = _mm512_loadu_si512(g + 64 * k);
                 w[k] = _mm512_and_si512(v, low4), w[k + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
             }
+            if (NIB == 2)
+                for (int k = 0; k < 8; k++) w[k] = with_fifth_bits(w[k], _mm512_loadu_si512(g + 256), k);
         } else {
             for (int k = 0; k < NW; k++) w[k] = _mm512_loadu_si512(g + 64 * k);
         }
@@ -520,7 +535,9 @@ static inline __attribute__((always_inline)) void item_rows(const Product* p, co
 #define LAYOUT_ROWS(M)                                                                             \
     static void rows_##M(const Product* p, const uint8_t* item, int64_t i0, __m512* acc) {          \
         const Layout* l = &p->l;                                                                   \
-        if (l->nibble && l->kq) item_rows(p, item, i0, M, 1, 8, 1, 1, acc);                        \
+        if (l->nibble == 2 && l->kq) item_rows(p, item, i0, M, 2, 8, 1, 1, acc);                   \
+        else if (l->nibble == 2) item_rows(p, item, i0, M, 2, 8, 0, 0, acc);                       \
+        else if (l->nibble && l->kq) item_rows(p, item, i0, M, 1, 8, 1, 1, acc);                   \
         else if (l->nibble && l->has_min) item_rows(p, item, i0, M, 1, 8, 1, 0, acc);              \
         else if (l->nibble) item_rows(p, item, i0, M, 1, 8, 0, 0, acc);                            \
         else if (l->S == 16) item_rows(p, item, i0, M, 0, 4, 0, 1, acc);                           \
@@ -590,14 +607,19 @@ static void amx_configure(const Layout* l) {
         _tile_dpbsud(T, A, B);                                 \
     } while (0)
 
-// A group's 4-bit codes as 8-bit tile rows: rows 0-3 the low halves (codes 0..15), rows 4-7 the high
-// ones (16..31)
-static inline void split_group(const uint8_t* codes, uint8_t* out) {
+// A group's 4-bit codes (NIB 2: with their fifth bits) as 8-bit tile rows: rows 0-3 the low halves
+// (codes 0..15), rows 4-7 the high ones (16..31)
+static inline __attribute__((always_inline)) void split_group(const uint8_t* codes, uint8_t* out, const int NIB) {
     const __m512i low4 = _mm512_set1_epi8(15);
     for (int k = 0; k < 4; k++) {
         const __m512i v = _mm512_loadu_si512(codes + 64 * k);
-        _mm512_store_si512(out + 64 * k, _mm512_and_si512(v, low4));
-        _mm512_store_si512(out + 64 * (k + 4), _mm512_and_si512(_mm512_srli_epi16(v, 4), low4));
+        __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+        if (NIB == 2) {
+            const __m512i plane = _mm512_loadu_si512(codes + 256);
+            lo = with_fifth_bits(lo, plane, k), hi = with_fifth_bits(hi, plane, k + 4);
+        }
+        _mm512_store_si512(out + 64 * k, lo);
+        _mm512_store_si512(out + 64 * (k + 4), hi);
     }
 }
 
@@ -616,7 +638,7 @@ static inline __attribute__((always_inline)) void amx_sums(const Product* p, con
         if (NIB && whole) {  // the item's codes, split once for all its rows (split_codes)
             codes[j] = whole + b * 8 * 64;
         } else if (NIB) {
-            split_group(codes[j], split[j]);
+            split_group(codes[j], split[j], NIB);
             codes[j] = split[j];
         }
     }
@@ -676,7 +698,9 @@ static inline __attribute__((always_inline)) void amx_rows(const Product* p, con
 
 static void amx_item(const Product* p, const uint8_t* item, int64_t i0, const uint8_t* whole, __m512* acc) {
     const Layout* l = &p->l;
-    if (l->nibble && l->kq) amx_rows(p, item, i0, 1, 8, 1, 1, whole, acc);
+    if (l->nibble == 2 && l->kq) amx_rows(p, item, i0, 2, 8, 1, 1, whole, acc);
+    else if (l->nibble == 2) amx_rows(p, item, i0, 2, 8, 0, 0, whole, acc);
+    else if (l->nibble && l->kq) amx_rows(p, item, i0, 1, 8, 1, 1, whole, acc);
     else if (l->nibble && l->has_min) amx_rows(p, item, i0, 1, 8, 1, 0, whole, acc);
     else if (l->nibble) amx_rows(p, item, i0, 1, 8, 0, 0, whole, acc);
     else if (l->S == 16) amx_rows(p, item, i0, 0, 4, 0, 1, NULL, acc);
@@ -687,8 +711,12 @@ static void amx_item(const Product* p, const uint8_t* item, int64_t i0, const ui
 // Every group of a 4-bit item split (split_group) into out, 512 bytes a group: once for an item that
 // many 16-row blocks read, rather than per block just before its tile loads
 static void split_codes(const Layout* l, const uint8_t* item, int64_t groups, uint8_t* out) {
-    const int G = GROUPS_PER_SUPER(1, 8, l->kq), HB = (int)head_bytes(l), CB = CODE_BYTES(1, 8);
-    for (int64_t b = 0; b < groups; b++) split_group(item + b / G * (HB + G * CB) + HB + (b % G) * CB, out + b * 512);
+    const int G = GROUPS_PER_SUPER(1, 8, l->kq), HB = (int)head_bytes(l), CB = (int)code_bytes(l);
+    for (int64_t b = 0; b < groups; b++) {
+        const uint8_t* codes = item + b / G * (HB + G * CB) + HB + (b % G) * CB;
+        if (l->nibble == 2) split_group(codes, out + b * 512, 2);
+        else split_group(codes, out + b * 512, 1);
+    }
 }
 
 #if defined(__AMX_BF16__) && defined(__AVX512BF16__)
@@ -718,7 +746,7 @@ static inline __m512i bf16_pairs(__m512 lo, __m512 hi) {
 // output rows; group b fills rows b·S/2 onwards
 static void panel_of(const Layout* l, const uint8_t* item, int64_t groups, uint32_t* panel) {
     const int64_t HB = head_bytes(l), CB = code_bytes(l);
-    const __m512i byte = _mm512_set1_epi32(255), low4 = _mm512_set1_epi32(15);
+    const __m512i byte = _mm512_set1_epi32(255), low4 = _mm512_set1_epi8(15);
     for (int64_t b = 0; b < groups; b++) {
         int gi;
         const uint8_t* head = group_head(l, item, b, &gi);
@@ -726,19 +754,18 @@ static void panel_of(const Layout* l, const uint8_t* item, int64_t groups, uint3
         __m512 min;
         const __m512 scale = group_scales(head, gi, l->G, l->has_min, l->kq, &min);
         const __m512 bias = _mm512_fnmadd_ps(_mm512_set1_ps((float)l->off), scale, min);  // min − off·scale
-        __m512 v[32];  // value j of the group, lane r: output row r's
-        for (int k = 0; k < (l->nibble ? 4 : l->S / 4); k++) {
-            const __m512i word = _mm512_loadu_si512(g + 64 * k);  // lane r: values 4k .. 4k + 3 of row r
-            for (int t = 0; t < 4; t++) {
-                const __m512i c = _mm512_srli_epi32(word, 8 * t);
-                if (l->nibble) {
-                    v[4 * k + t] = _mm512_cvtepi32_ps(_mm512_and_si512(c, low4));
-                    v[16 + 4 * k + t] = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(c, 4), low4));
-                } else {
-                    v[4 * k + t] = _mm512_cvtepi32_ps(_mm512_and_si512(c, byte));
-                }
-            }
+        __m512i w[8];  // register k, lane r: codes 4k .. 4k + 3 of row r, a byte each
+        const int regs = l->nibble ? 8 : l->S / 4;
+        for (int k = 0; k < (l->nibble ? 4 : regs); k++) w[k] = _mm512_loadu_si512(g + 64 * k);
+        for (int k = 0; l->nibble && k < 4; k++) {  // 4-bit codes: the low halves, then the high ones
+            w[k + 4] = _mm512_and_si512(_mm512_srli_epi16(w[k], 4), low4);
+            w[k] = _mm512_and_si512(w[k], low4);
         }
+        if (l->nibble == 2)
+            for (int k = 0; k < 8; k++) w[k] = with_fifth_bits(w[k], _mm512_loadu_si512(g + 256), k);
+        __m512 v[32];  // value j of the group, lane r: output row r's
+        for (int k = 0; k < regs; k++)
+            for (int t = 0; t < 4; t++) v[4 * k + t] = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(w[k], 8 * t), byte));
         uint32_t* rows = panel + b * (l->S / 2) * LANES;
         for (int q = 0; q < l->S / 2; q++)
             _mm512_store_si512(rows + LANES * q, bf16_pairs(_mm512_fmadd_ps(v[2 * q], scale, bias),
@@ -908,6 +935,14 @@ static inline __m256 int8_times8(const uint8_t* sc, const float* d) {  // 8 int8
     return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), _mm256_loadu_ps(d));
 }
 
+// with_fifth_bits for a half item's 8 lanes
+static inline __m256i with_fifth_bits8(__m256i w, __m256i plane, int k) {
+    const __m256i at = _mm256_add_epi8(_mm256_setr_epi32(0, 0x04040404, 0x08080808, 0x0C0C0C0C, 0, 0x04040404, 0x08080808,
+                                                         0x0C0C0C0C), _mm256_set1_epi8((char)(k / 2)));  // fmt: skip
+    const __m256i bits = _mm256_and_si256(_mm256_shuffle_epi8(plane, at), _mm256_set1_epi32(k % 2 ? (int)0x80402010 : 0x08040201));
+    return _mm256_or_si256(w, _mm256_slli_epi16(_mm256_min_epu8(bits, _mm256_set1_epi8(1)), 4));  // 16 where set
+}
+
 static inline __attribute__((always_inline)) void half_rows(const Product* p, const uint8_t* item, int64_t i0,
                                                             const int M, const int H, int h0, const int NIB,
                                                             const int NW, const int MIN, const int KQ,
@@ -932,6 +967,7 @@ static inline __attribute__((always_inline)) void half_rows(const Product* p, co
                 if (NIB) {
                     const __m256i v = _mm256_loadu_si256((const __m256i*)(g + 64 * (k % 4) + 32 * h));
                     w[hh] = _mm256_and_si256(k < 4 ? v : _mm256_srli_epi16(v, 4), low4);
+                    if (NIB == 2) w[hh] = with_fifth_bits8(w[hh], _mm256_loadu_si256((const __m256i*)(g + 256 + 32 * h)), k);
                 } else {
                     w[hh] = _mm256_loadu_si256((const __m256i*)(g + 64 * k + 32 * h));
                     if (SIGNED) w[hh] = _mm256_xor_si256(w[hh], flip);  // the code − 128: Q8_0's own q
@@ -982,7 +1018,9 @@ static inline __attribute__((always_inline)) void half_rows(const Product* p, co
 #define HALF_ROWS(NAME, M, H)                                                                               \
     static void NAME(const Product* p, const uint8_t* item, int64_t i0, int h0, __m256* acc) {               \
         const Layout* l = &p->l;                                                                            \
-        if (l->nibble && l->kq) half_rows(p, item, i0, M, H, h0, 1, 8, 1, 1, 0, 8, acc);                    \
+        if (l->nibble == 2 && l->kq) half_rows(p, item, i0, M, H, h0, 2, 8, 1, 1, 0, 4, acc);               \
+        else if (l->nibble == 2) half_rows(p, item, i0, M, H, h0, 2, 8, 0, 0, 0, 4, acc);                   \
+        else if (l->nibble && l->kq) half_rows(p, item, i0, M, H, h0, 1, 8, 1, 1, 0, 8, acc);               \
         else if (l->nibble && l->has_min) half_rows(p, item, i0, M, H, h0, 1, 8, 1, 0, 0, 8, acc);          \
         else if (l->nibble) half_rows(p, item, i0, M, H, h0, 1, 8, 0, 0, 0, 8, acc);                        \
         else if (l->S == 16) half_rows(p, item, i0, M, H, h0, 0, 4, 0, 1, 0, 2, acc);                       \
@@ -1046,12 +1084,17 @@ static void items(void* ctx, uint32_t begin, uint32_t end) {
                     const uint8_t* g = head + hb + gi * cb;
                     const XBlock* x = p->xq + b * p->m + i;
                     const int8_t* xq = (const int8_t*)x->q;
+                    uint32_t plane = 0;  // 5-bit codes: bit j, code j's fifth
+                    if (nib == 2) memcpy(&plane, g + 256 + 4 * r, sizeof plane);
                     int32_t isum = 0;
                     for (int k = 0; k < words; k++)
                         for (int t = 0; t < 4; t++) {
                             const uint8_t c = g[64 * k + 4 * r + t];
-                            if (nib) isum += (c & 15) * xq[4 * k + t] + (c >> 4) * xq[16 + 4 * k + t];
-                            else isum += c * xq[4 * k + t];
+                            const int j = 4 * k + t;
+                            if (nib)
+                                isum += ((c & 15) | (plane >> j & 1) << 4) * xq[j] +
+                                        ((c >> 4) | (plane >> (16 + j) & 1) << 4) * xq[16 + j];
+                            else isum += c * xq[j];
                         }
                     float min;
                     const float scale = lane_scale(&p->l, head, gi, r, &min);

@@ -26,7 +26,8 @@ window's first 512 tokens in one pass, the rest 16 at a time.
                                     the repacking read are dropped from memory after it
                                     (release_file_pages: Qwen2.5-0.5B resident after loading
                                     1.17 → 0.80 GB, at its peak 1.17 → 0.94 GB; with the scales kept
-                                    as the file has them, 0.76 and 0.90 GB)
+                                    as the file has them, 0.76 and 0.90 GB; `kvlab run` with its
+                                    5-bit codes kept in 5 bits, at its peak 0.93 → 0.83 GB)
 """
 
 from __future__ import annotations
