@@ -476,6 +476,18 @@ static inline __m512i with_fifth_bits(__m512i w, __m512i plane, int k) {
     return _mm512_mask_add_epi8(w, set, w, _mm512_set1_epi8(16));
 }
 
+// A 4-bit group's codes at g as bytes (NIB 2: with their fifth bits from the plane after them): w[k], lane
+// r holds codes 4k .. 4k + 3 of row r, the low halves (codes 0..15) in w[0..3], the high ones in w[4..7]
+static inline __attribute__((always_inline)) void nibble_codes(const uint8_t* g, const int NIB, __m512i* w) {
+    const __m512i low4 = _mm512_set1_epi8(15);
+    for (int k = 0; k < 4; k++) {
+        const __m512i v = _mm512_loadu_si512(g + 64 * k);
+        w[k] = _mm512_and_si512(v, low4), w[k + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+    }
+    if (NIB == 2)
+        for (int k = 0; k < 8; k++) w[k] = with_fifth_bits(w[k], _mm512_loadu_si512(g + 256), k);
+}
+
 // Group gi's 16 lanes' scales (and mins, else zeros) from its super-block's head: lane_scale's numbers
 static inline __attribute__((always_inline)) __m512 group_scales(const uint8_t* head, int gi, const int G, const int MIN,
                                                                  const int KQ, __m512* min) {
@@ -493,7 +505,6 @@ static inline __attribute__((always_inline)) void item_rows(const Product* p, co
                                                             const int M, const int NIB, const int NW, const int MIN,
                                                             const int KQ, __m512* acc) {
     const int G = GROUPS_PER_SUPER(NIB, NW, KQ), HB = HEAD_BYTES(KQ, G, MIN), CB = CODE_BYTES(NIB, NW);
-    const __m512i low4 = _mm512_set1_epi8(15);
     for (int i = 0; i < M; i++) acc[i] = _mm512_setzero_ps();
     const int64_t ib = p->groups / G * (HB + G * CB) + (p->groups % G ? HB + p->groups % G * CB : 0);
     for (int64_t b = 0; b < p->groups; b++) {
@@ -506,12 +517,7 @@ static inline __attribute__((always_inline)) void item_rows(const Product* p, co
                 _mm_prefetch((const char*)item + p->ahead + line, _MM_HINT_T0);
         __m512i w[8];
         if (NIB) {
-            for (int k = 0; k < 4; k++) {
-                const __m512i v = _mm512_loadu_si512(g + 64 * k);
-                w[k] = _mm512_and_si512(v, low4), w[k + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
-            }
-            if (NIB == 2)
-                for (int k = 0; k < 8; k++) w[k] = with_fifth_bits(w[k], _mm512_loadu_si512(g + 256), k);
+            nibble_codes(g, NIB, w);
         } else {
             for (int k = 0; k < NW; k++) w[k] = _mm512_loadu_si512(g + 64 * k);
         }
@@ -610,17 +616,9 @@ static void amx_configure(const Layout* l) {
 // A group's 4-bit codes (NIB 2: with their fifth bits) as 8-bit tile rows: rows 0-3 the low halves
 // (codes 0..15), rows 4-7 the high ones (16..31)
 static inline __attribute__((always_inline)) void split_group(const uint8_t* codes, uint8_t* out, const int NIB) {
-    const __m512i low4 = _mm512_set1_epi8(15);
-    for (int k = 0; k < 4; k++) {
-        const __m512i v = _mm512_loadu_si512(codes + 64 * k);
-        __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
-        if (NIB == 2) {
-            const __m512i plane = _mm512_loadu_si512(codes + 256);
-            lo = with_fifth_bits(lo, plane, k), hi = with_fifth_bits(hi, plane, k + 4);
-        }
-        _mm512_store_si512(out + 64 * k, lo);
-        _mm512_store_si512(out + 64 * (k + 4), hi);
-    }
+    __m512i w[8];
+    nibble_codes(codes, NIB, w);
+    for (int k = 0; k < 8; k++) _mm512_store_si512(out + 64 * k, w[k]);
 }
 
 // Groups b0 .. b0 + 3 (those there are) of an item through the tiles, their sums into tiles 0-3
@@ -713,9 +711,7 @@ static void amx_item(const Product* p, const uint8_t* item, int64_t i0, const ui
 static void split_codes(const Layout* l, const uint8_t* item, int64_t groups, uint8_t* out) {
     const int G = GROUPS_PER_SUPER(1, 8, l->kq), HB = (int)head_bytes(l), CB = (int)code_bytes(l);
     for (int64_t b = 0; b < groups; b++) {
-        const uint8_t* codes = item + b / G * (HB + G * CB) + HB + (b % G) * CB;
-        if (l->nibble == 2) split_group(codes, out + b * 512, 2);
-        else split_group(codes, out + b * 512, 1);
+        split_group(item + b / G * (HB + G * CB) + HB + (b % G) * CB, out + b * 512, l->nibble);
     }
 }
 
@@ -746,7 +742,7 @@ static inline __m512i bf16_pairs(__m512 lo, __m512 hi) {
 // output rows; group b fills rows b·S/2 onwards
 static void panel_of(const Layout* l, const uint8_t* item, int64_t groups, uint32_t* panel) {
     const int64_t HB = head_bytes(l), CB = code_bytes(l);
-    const __m512i byte = _mm512_set1_epi32(255), low4 = _mm512_set1_epi8(15);
+    const __m512i byte = _mm512_set1_epi32(255);
     for (int64_t b = 0; b < groups; b++) {
         int gi;
         const uint8_t* head = group_head(l, item, b, &gi);
@@ -756,13 +752,9 @@ static void panel_of(const Layout* l, const uint8_t* item, int64_t groups, uint3
         const __m512 bias = _mm512_fnmadd_ps(_mm512_set1_ps((float)l->off), scale, min);  // min − off·scale
         __m512i w[8];  // register k, lane r: codes 4k .. 4k + 3 of row r, a byte each
         const int regs = l->nibble ? 8 : l->S / 4;
-        for (int k = 0; k < (l->nibble ? 4 : regs); k++) w[k] = _mm512_loadu_si512(g + 64 * k);
-        for (int k = 0; l->nibble && k < 4; k++) {  // 4-bit codes: the low halves, then the high ones
-            w[k + 4] = _mm512_and_si512(_mm512_srli_epi16(w[k], 4), low4);
-            w[k] = _mm512_and_si512(w[k], low4);
-        }
-        if (l->nibble == 2)
-            for (int k = 0; k < 8; k++) w[k] = with_fifth_bits(w[k], _mm512_loadu_si512(g + 256), k);
+        if (l->nibble) nibble_codes(g, l->nibble, w);
+        else
+            for (int k = 0; k < regs; k++) w[k] = _mm512_loadu_si512(g + 64 * k);
         __m512 v[32];  // value j of the group, lane r: output row r's
         for (int k = 0; k < regs; k++)
             for (int t = 0; t < 4; t++) v[4 * k + t] = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(w[k], 8 * t), byte));

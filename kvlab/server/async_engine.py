@@ -163,12 +163,7 @@ class AsyncEngine:
                         self._deliver(out)
 
     def _deliver(self, out: StepOutput) -> None:
-        listener = self._listeners.get(out.request_id)
-        if listener is None:
-            return
-        if out.finished:
-            del self._listeners[out.request_id]
-        _put(listener, out)
+        self._deliver_step([out])
 
     def _deliver_step(self, outputs: list[StepOutput]) -> None:
         """A step's outputs, one wake-up of each listening event loop for all of them (a call per output
