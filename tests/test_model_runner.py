@@ -66,3 +66,24 @@ def test_unpacked_prompts_get_passes_of_their_own():
     assert [p.input_ids.shape[1] for p in step.passes] == [1, 9]
     assert step.passes[1].meta.slot_mapping.tolist() == [4, 5, 6, 7, 8, 9, 10, 11, 12]
     assert step.sampling == [r1, r2]
+
+
+def test_fresh_prompts_of_one_length_attend_as_one_batch():
+    """A burst of new prompts of one length: one attention group of B sequences × T tokens. A prompt after
+    a prefix hit, or of another length, keeps a group of its own."""
+    r = [request(f"r{i}", 10) for i in range(1, 7)]
+    chunks = [
+        ScheduledChunk(r[0], 9, 1, [[3, 7, 1]]),  # a decode
+        ScheduledChunk(r[1], 0, 6, [[2, 5]]),  # fresh, T = 6 ─┐ one group
+        ScheduledChunk(r[2], 0, 6, [[9, 10]]),  # fresh, T = 6 ─┘
+        ScheduledChunk(r[3], 4, 6, [[0, 6, 11]]),  # after a 4-token prefix hit: alone
+        ScheduledChunk(r[4], 0, 6, [[4, 8]]),  # fresh, but the run was broken: alone
+        ScheduledChunk(r[5], 0, 5, [[12, 13]]),  # fresh, another length: alone
+    ]
+    runner = ModelRunner(model=None, cache=SimpleNamespace(device=torch.device("cpu"), block_size=BS, layout=ONE_TABLE))
+    groups = runner._build(chunks).meta.groups
+    assert [(g.lo, g.hi, g.batch_size) for g in groups] == [(0, 1, 1), (1, 13, 2), (13, 19, 1), (19, 25, 1), (25, 30, 1)]
+    burst = groups[1]
+    assert burst.block_tables.tolist() == [[2, 5], [9, 10]] and burst.num_keys == 6
+    assert burst.meta.positions.tolist() == [list(range(6))] * 2
+    assert burst.meta.attn_mask is None and burst.meta.is_causal

@@ -152,3 +152,32 @@ def test_uninitialised_pool_memory_never_leaks_into_attention(loaded_two):
         t.fill_(float("nan"))
     assert run_all(engine, batch) == [reference(loaded, p) for p in batch]
     assert run_all(engine, batch) == [reference(loaded, p) for p in batch]  # with prefix hits and copies
+
+
+def test_a_burst_of_fresh_prompts_attends_as_one_batch_with_each_ones_own_numbers(loaded, monkeypatch):
+    """Fresh prompts of one length attend in one call (runner._fresh_runs): the logits are bit for bit those
+    of a call per prompt (Gemma 3's 24 tokens pass its 20-token window: the windowed mask broadcasts over
+    the batch), and the greedy tokens the contiguous engine's."""
+    import kvlab.runner.model_runner as model_runner
+
+    g = torch.Generator().manual_seed(8)
+    batch = [torch.randint(3, 512, (24,), generator=g).tolist() for _ in range(4)]
+
+    def first_pass_logits() -> torch.Tensor:
+        engine = LLMEngine(loaded, None, EngineConfig(enable_prefix_caching=False),
+                           policy=ThreadPolicy(fused_decode=False))  # fmt: skip
+        for p in batch:
+            engine.add_request(p, GREEDY)
+        inputs = engine.runner.prepare_inputs(engine.scheduler.schedule())
+        sizes = [grp.batch_size for grp in inputs.passes[0].meta.kv_groups[0].groups]
+        return engine.runner.forward(inputs), sizes
+
+    together, sizes = first_pass_logits()
+    assert sizes == [4]
+    monkeypatch.setattr(model_runner, "_fresh_runs", lambda chunks: [[c] for c in chunks])
+    alone, sizes = first_pass_logits()
+    assert sizes == [1, 1, 1, 1]
+    assert torch.equal(together, alone)
+    monkeypatch.undo()
+    expected = [reference(loaded, p) for p in batch]
+    assert run_all(LLMEngine(loaded, None, EngineConfig(enable_prefix_caching=False)), batch) == expected

@@ -19,6 +19,8 @@ own keys — so `attend` splits the step into groups (`PagedMetadata.groups`):
                  [B, Hkv, L, D] (L = the longest), a key mask for the shorter ones, one attention call
     prompt chunk 1 sequence × T new tokens after `start` cached ones: keys [1, Hkv, start + T, D],
                  causal mask offset by start
+    fresh chunks B sequences × T new tokens each, nothing cached before them (a burst of new
+                 prompts of one length): keys [B, Hkv, T, D], causal, one call for all
 
 New keys and values are written first, through the slot mapping, so a group reads its own tokens.
 A sliding group's tables start at the first block its window reaches; each attention group's mask,
@@ -40,7 +42,8 @@ from kvlab.kv.manager import BlockZero
 
 @dataclass
 class AttentionGroup:
-    """Sequences of one step that attend in one call: every decode (T = 1), or one prompt chunk (B = 1)."""
+    """Sequences of one step that attend in one call, T tokens each: every decode (T = 1), one prompt chunk
+    (B = 1), or fresh prompt chunks of one length (nothing cached before them)."""
 
     lo: int  # first token of the group in the step's packed order
     hi: int  # one past its last
@@ -188,14 +191,10 @@ class PagedKVCache(KVCache):
         outs = []
         for group in view.groups:
             k_all, v_all = self.gather(layer, group)
-            q_group = q[:, :, group.lo : group.hi]  # [1, H, T, D]
-            group_meta = group.meta.for_window(window)
-            if group.batch_size == 1:
-                outs.append(attention(q_group, k_all, v_all, group_meta))
-                continue
-            q_batch = q_group[0].transpose(0, 1).unsqueeze(2)  # decodes: token i is sequence i → [B, H, 1, D]
-            out = attention(q_batch, k_all, v_all, group_meta)  # [B, H, 1, D]
-            outs.append(out.squeeze(2).transpose(0, 1).unsqueeze(0))  # back to [1, H, B, D]
+            B = group.batch_size  # B sequences of T tokens each, packed one after another
+            q_batch = q[0, :, group.lo : group.hi].unflatten(1, (B, -1)).transpose(0, 1)  # [B, H, T, D]
+            out = attention(q_batch, k_all, v_all, group.meta.for_window(window))  # [B, H, T, D]
+            outs.append(out.transpose(0, 1).flatten(1, 2).unsqueeze(0))  # back to [1, H, B·T, D]
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
 
     def apply(self, ops: Iterable) -> None:

@@ -172,9 +172,9 @@ class ModelRunner:
         decodes = [c for c in chunks if c.is_decode]
         groups = [self._decode_group(decodes, g, kv, windows)] if decodes else []
         lo = len(decodes)
-        for c in chunks[len(decodes) :]:
-            groups.append(self._chunk_group(c, lo, g, kv, windows))
-            lo += c.num_new_tokens
+        for run in _fresh_runs(chunks[len(decodes) :]):
+            groups.append(self._chunk_group(run, lo, g, kv, windows))
+            lo += sum(c.num_new_tokens for c in run)
         return KVGroupMetadata(torch.tensor(slots, dtype=torch.long, device=self.device), groups)
 
     def _decode_group(self, decodes: list[ScheduledChunk], g: int, kv: KVGroup, windows) -> AttentionGroup:
@@ -203,20 +203,22 @@ class ModelRunner:
         tables_t = torch.tensor(tables, dtype=torch.long, device=self.device)
         return AttentionGroup(0, len(decodes), tables_t, L, plain)
 
-    def _chunk_group(self, c: ScheduledChunk, lo: int, g: int, kv: KVGroup, windows) -> AttentionGroup:
-        """One prompt chunk: T new tokens after `start` cached ones, causal (and windowed)."""
-        bs = self.block_size
+    def _chunk_group(self, run: list[ScheduledChunk], lo: int, g: int, kv: KVGroup, windows) -> AttentionGroup:
+        """Prompt chunks of T new tokens each after `start` cached ones, causal (and windowed): one chunk,
+        or several fresh ones of the same T (`_fresh_runs`), attending as one batch."""
+        bs, c = self.block_size, run[0]
         first = window_start(kv.window, c.start) // bs
-        tables = torch.tensor([c.block_tables[g][first : -(-c.end // bs)]], dtype=torch.long, device=self.device)
+        tables = torch.tensor([r.block_tables[g][first : -(-r.end // bs)] for r in run], dtype=torch.long,
+                              device=self.device)  # fmt: skip
         if first == 0:
-            meta = build_metadata(c.start, c.num_new_tokens, 1, self.device, windows)
+            meta = build_metadata(c.start, c.num_new_tokens, len(run), self.device, windows)
         else:  # a sliding group past its first blocks: every query's window starts inside what is gathered
             positions = torch.arange(c.start, c.end, device=self.device)[None]
             keys = torch.arange(first * bs, c.end, device=self.device)
             mask = window_mask(positions[0], keys, kv.window)[None, None]  # [1, 1, T, L]
             meta = AttentionMetadata(positions=positions, start=c.start, attn_mask=mask)
             meta.windowed = {kv.window: meta}
-        return AttentionGroup(lo, lo + c.num_new_tokens, tables, c.end - first * bs, meta)
+        return AttentionGroup(lo, lo + len(run) * c.num_new_tokens, tables, c.end - first * bs, meta)
 
     # ---- 2. the model --------------------------------------------------------------------------------
 
@@ -329,3 +331,18 @@ def _prompt_rows(chunks: list[ScheduledChunk]) -> list[tuple[Request, int, list[
                 out.append((r, first, [offset + q - c.start for q in range(first, last)]))
         offset += c.num_new_tokens
     return out
+
+
+def _fresh_runs(prompts: list[ScheduledChunk]) -> list[list[ScheduledChunk]]:
+    """The prompt chunks in runs that attend as one batch: consecutive chunks with nothing cached before
+    them (start 0) and the same number of tokens share a run; every other chunk is a run of its own. Each
+    sequence's numbers are those of its own call (SmolLM2, a burst's 8 × 64 tokens: 30 attention calls a
+    pass instead of 240, 33 → 23 ms of a 150 ms pass)."""
+    runs: list[list[ScheduledChunk]] = []
+    for c in prompts:
+        last = runs[-1][-1] if runs else None
+        if c.start == 0 and last is not None and last.start == 0 and last.num_new_tokens == c.num_new_tokens:
+            runs[-1].append(c)
+        else:
+            runs.append([c])
+    return runs
