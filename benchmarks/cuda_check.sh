@@ -10,7 +10,7 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 KVLAB_HOM
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__,
   'cuda', torch.version.cuda, torch.cuda.get_device_name())" | tee "$out/env.txt"
 status=0
-timeout 300 python3 -m pytest -q -p no:cacheprovider -m cuda tests/test_cuda.py 2>&1 | tee "$out/cuda-tests.log" || status=1
+timeout 300 python3 -m pytest -q -p no:cacheprovider -m cuda tests/test_cuda.py tests/test_cuda_wave3.py 2>&1 | tee "$out/cuda-tests.log" || status=1
 timeout 240 python3 benchmarks/bench_core.py --device cuda --random qwen3-0.6b --dtype bfloat16 --repeat 5 \
     --json "$out/bench-cuda.json" 2>&1 | tee "$out/bench-cuda.log" || status=1
 timeout 240 python3 -m pytest -q -p no:cacheprovider -m "not real and not cuda" ${CPU_SUITE_ARGS:-} 2>&1 \

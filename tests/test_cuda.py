@@ -60,7 +60,7 @@ def run_all(engine: LLMEngine, batch: list[list[int]], params=GREEDY) -> list[li
 def test_weights_and_cache_live_on_the_device(pair):
     _, ours, _ = pair
     assert {p.device.type for p in ours.model.parameters()} == {"cuda"}
-    engine = LLMEngine(ours, None, EngineConfig(kv_memory_bytes=1 << 20))
+    engine = LLMEngine(ours, None, EngineConfig(kv_memory_bytes=1 << 21))  # Gemma 3's 512 tokens: 192 blocks
     assert engine.cache.device.type == "cuda"
 
 
@@ -83,6 +83,8 @@ def test_batched_paged_engine_on_cuda_matches_transformers_generate(pair):
     assert run_all(engine, batch) == expected, kind
     assert run_all(engine, batch) == expected, "second run: prefix-cache hits"
     assert engine.kv.pool.check_integrity().used == 0
+    burst = [p[:20] for p in prompts(4, length=20, seed=3)]  # fresh prompts of one length: one attention call
+    assert run_all(LLMEngine(ours, None), burst) == [transformers_greedy(ref, p, 32) for p in burst], kind
 
 
 def test_contiguous_and_no_cache_engines_agree_on_cuda(pair):
