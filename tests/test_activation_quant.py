@@ -185,3 +185,21 @@ def test_the_repacked_blocks_pages_leave_memory_and_nothing_else_changes(tmp_pat
     gguf = build_tiny_gguf(directory, tmp_path / "m.gguf", "Q8_0")
     with_int8_activations(load_model(gguf))
     assert released and sum(released) > 0
+
+
+@pytest.mark.skipif(not quant.bf16_prompt_rows(), reason="no AMX tiles for bfloat16 here: no prompt road to fuse")
+def test_a_prompts_gated_mlp_in_one_pass_gives_the_mlps_own_bits(gguf_file, monkeypatch):
+    """A prompt of bfloat16 size: gate, up and the activation in one pass of the tiles (CpuOps.gated_product),
+    the logits bit for bit those of the MLP's own product-then-activation."""
+    from kvlab.backends.ops import CpuOps
+
+    loaded = with_int8_activations(load_model(gguf_file))
+    ids = torch.randint(3, 500, (quant.bf16_prompt_rows() + 20,), generator=torch.Generator().manual_seed(4)).tolist()
+    calls = []
+    fused_product = CpuOps.gated_product
+    monkeypatch.setattr(CpuOps, "gated_product", lambda self, *a: calls.append(1) or fused_product(self, *a))
+    fused = ModelDriver(loaded.model).append(ids, ContiguousKVCache.for_model(loaded.config, 128))
+    assert len(calls) == loaded.config.num_layers
+    monkeypatch.setattr(CpuOps, "gated_product", lambda self, *a: None)
+    apart = ModelDriver(loaded.model).append(ids, ContiguousKVCache.for_model(loaded.config, 128))
+    assert torch.equal(fused, apart)

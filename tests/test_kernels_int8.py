@@ -208,3 +208,28 @@ def test_prompt_sized_passes_multiply_in_bfloat16_and_a_rows_bits_stand_alone(fm
         assert not torch.equal(int8_rows, y[: BF16_ROWS - 1])
         exact = x.double().numpy() @ w.astype(np.float64).T
         assert np.abs(y.double().numpy() - exact).max() / np.abs(exact).max() < 0.02, (fmt, out)
+
+
+@needs_kernel
+@needs_bf16_tiles
+@pytest.mark.parametrize("fmts", [("Q8_0", "Q8_0"), ("Q4_0", "Q4_1"), ("Q5_0", "Q5_0"), ("Q4_K", "Q6_K"), ("Q5_K", "Q4_K")])
+@pytest.mark.parametrize("act", [0, 1])  # SiLU, GELU (tanh)
+def test_a_gated_mlps_pass_takes_its_activation_from_the_tiles_with_the_two_products_bits(fmts, act):
+    """gate and up on the bfloat16 tiles in one pass, act(gate) · up as the sums leave them: bit for bit the
+    two parts' product followed by gated_act, on any threads (208 outputs: 13 pairs, runs of several); the
+    int8 road's passes (fewer rows) and outputs in no whole items are left to the MLP (None)."""
+    from kvlab.kernels import gemv
+
+    n = 256
+    for intermediate in (48, 208):
+        gate, _ = interleaved(fmts[0], intermediate, n, seed=intermediate)
+        up, _ = interleaved(fmts[1], intermediate, n, seed=intermediate + 1)
+        x = torch.randn(BF16_ROWS + 50, n, generator=torch.Generator().manual_seed(intermediate)) * 2
+        both = quant.packed_linear(x, [gate, up], 2 * intermediate, threads=2)
+        expected = gemv.gated_act(both[:, :intermediate], both[:, intermediate:], act)
+        fused = quant.gated_product(x, gate, up, act, threads=2)
+        assert torch.equal(fused, expected), (fmts, act, intermediate)
+        assert torch.equal(quant.gated_product(x, gate, up, act, threads=1), fused)
+        assert quant.gated_product(x[: BF16_ROWS - 1], gate, up, act) is None
+    odd, _ = interleaved(fmts[0], 40, n, seed=3)  # 2.5 items
+    assert quant.gated_product(x, odd, odd, act) is None

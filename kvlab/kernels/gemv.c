@@ -211,20 +211,10 @@ void kvlab_rms_norm_f32(const float* x, const float* w, float* y, int64_t rows, 
     }
 }
 
-// e^x for 8 values, x clamped to [-87.3, 88.3] (e^x and the 2^n it is built from normal floats)
-static inline v8f exp_v8(v8f x) {
-    const v8f lo = {-87.3f, -87.3f, -87.3f, -87.3f, -87.3f, -87.3f, -87.3f, -87.3f};
-    const v8f hi = {88.3f, 88.3f, 88.3f, 88.3f, 88.3f, 88.3f, 88.3f, 88.3f};
-    const v8i below = x < lo, above = x > hi;  // lanes of -1 where true
-    return exp_normal8((v8f)(((v8i)x & ~(below | above)) | ((v8i)lo & below) | ((v8i)hi & above)));
-}
-
 // y[r, i] = act(gate) · up over `rows` rows of gate_up [rows, 2I] (gate in the first I columns): act
-// SiLU (0) or GELU with tanh's approximation (1; PyTorch's approximate="tanh"), step.h's ACT_* ids. The
-// decode step's MLP and the modules' decode-sized passes both call this, so a gated MLP gives the same
-// bits on both paths (PyTorch's vectorised tanh and exp differ from these by an ulp here and there).
-// Both are g·σ(t): SiLU t = g; GELU's 0.5·(1 + tanh z) is σ(2z), t = 2z, z = √(2/π)(g + 0.044715 g³);
-// σ(t) = 1 / (1 + e^−t), 8 values at a time (exp_normal8), the row's last I mod 8 with libm's expf.
+// step.h's ACT_* ids (gated8, 8 values at a time; the row's last I mod 8 with libm's expf). The decode
+// step's MLP and the modules' decode-sized passes both call this, so a gated MLP gives the same bits on
+// both paths (PyTorch's vectorised tanh and exp differ from these by an ulp here and there).
 // gate and up may be apart (row r of each at gate + r·gate_stride, up + r·up_stride): the two halves of
 // one fused product, or two products
 static void gated_act(const float* gate, int64_t gate_stride, const float* up, int64_t up_stride, float* y,
@@ -235,9 +225,7 @@ static void gated_act(const float* gate, int64_t gate_stride, const float* up, i
         float* out = y + r * I;
         int64_t i = 0;
         for (; i + 8 <= I; i += 8) {
-            const v8f gv = load_f32(g + i);
-            const v8f t = act == ACT_GELU_TANH ? k2 * (gv + 0.044715f * gv * gv * gv) : gv;
-            const v8f a = gv / (1.0f + exp_v8(-t)) * load_f32(u + i);
+            const v8f a = gated8(load_f32(g + i), load_f32(u + i), act);
             memcpy(out + i, &a, sizeof a);
         }
         for (; i < I; i++) {

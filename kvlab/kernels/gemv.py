@@ -41,7 +41,7 @@ _SOURCES.append(Path(__file__).parents[1] / "parallel" / "allreduce.c")  # the s
 _SOURCES.append(Path(__file__).with_name("mxfp4.c"))  # MXFP4 blocks (gpt-oss's experts), bound by kernels/mxfp4.py
 _SOURCES.append(Path(__file__).with_name("moe.c"))  # the decode step's mixture-of-experts MLP (decode.c calls it)
 _SOURCES.append(Path(__file__).with_name("deltanet.c"))  # Gated DeltaNet's decode step, bound by kernels/deltanet.py
-_HEADERS = [Path(__file__).with_name(name) for name in ("pool.h", "step.h", "kv_codec.h", "quant_i8.h")]
+_HEADERS = [Path(__file__).with_name(name) for name in ("pool.h", "step.h", "kv_codec.h", "quant_i8.h", "vec8.h")]
 _FLAGS = ["-O3", "-march=native", "-pthread", "-shared", "-fPIC", "-std=gnu11", "-lm"]
 _MAX_OUT = 2**31  # output rows: the pool numbers work items (4 rows each) in 32 bits
 _NAMES = {torch.float32: "kvlab_gemv_f32", torch.bfloat16: "kvlab_gemv_bf16", torch.float16: "kvlab_gemv_f16"}
@@ -140,6 +140,7 @@ def _load() -> None:
     _quant["bf16_rows"] = _bind(lib, "kvlab_i8_bf16_rows", [], ctypes.c_int)
     _quant["matmul"] = _bind(lib, "kvlab_quant_matmul", [ctypes.c_int] + [pointer, int64] + [pointer] * 2 + [int64] * 4 + [ctypes.c_int], ctypes.c_int)
     _quant["matmul_parts"] = _bind(lib, "kvlab_quant_matmul_parts", [ctypes.c_int] + [pointer] * 6 + [int64] * 3 + [ctypes.c_int], ctypes.c_int)
+    _quant["gated"] = _bind(lib, "kvlab_quant_gated", [pointer] * 2 + [int64] + [pointer] * 2 + [int64] * 2 + [ctypes.c_int] * 2, ctypes.c_int)
     _quant["interleave"] = _bind(lib, "kvlab_quant_interleave", [ctypes.c_int, pointer, int64, int64, int64, pointer], int64)
     _quant["dequantize"] = _bind(lib, "kvlab_quant_dequantize", [ctypes.c_int, pointer, int64, pointer] + [int64] * 3 + [ctypes.c_int], ctypes.c_int)
     _decode["layer"] = _bind(lib, "kvlab_decode_layer", [pointer] * 3 + [ctypes.c_int], ctypes.c_int)

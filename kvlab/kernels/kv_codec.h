@@ -14,6 +14,8 @@
 #include <immintrin.h>
 #endif
 
+#include "vec8.h"
+
 // ---- the KV cache's storage formats (kvlab/kv/formats.py) --------------------------------------
 //
 //   KV_F32   D floats
@@ -38,38 +40,8 @@ typedef struct {
     void* scales;  // [..., D / 32] fp16 (q8_0, q4_0), [..., 1] float32 (fp8_e4m3), NULL (float32)
 } KVStore;
 
-typedef float v8f __attribute__((vector_size(32)));
-
 // the cache slot of a sequence's key t, through its block table of blocks of bs tokens
 static inline int64_t slot_of(const int64_t* table, int64_t t, int64_t bs) { return table[t / bs] * bs + t % bs; }
-
-static inline v8f load8(const float* p) {
-    v8f v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
-
-static inline void store8(float* p, v8f v) { memcpy(p, &v, sizeof v); }
-
-static inline float hsum8(v8f v) { return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7])); }
-
-typedef int32_t v8i __attribute__((vector_size(32)));
-
-// e^x for 8 values whose 2^n below is a normal float (x in about [-87.3, 88.3]: the callers bound it),
-// within about 1 ulp: x = n ln2 + r, |r| ≤ ln2 / 2, e^r by Cephes' polynomial, 2^n put in the exponent
-// bits. Attention's softmax weights (attention.c) and the gated activations (gemv.c) use it.
-static inline v8f exp_normal8(v8f x) {
-    const float magic = 12582912.0f;  // 1.5 · 2^23: adding it rounds to an integer
-    const v8f n = (x * 1.44269504f + magic) - magic;
-    const v8f r = (x - n * 0.693359375f) + n * 2.12194440e-4f;  // ln 2 in two parts: r exact enough
-    v8f p = r * 1.9875691500e-4f + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    const v8f y = p * r * r + r + 1.0f;
-    return y * (v8f)((__builtin_convertvector(n, v8i) + 127) << 23);
-}
 
 static inline float as_float(uint32_t bits) {
     float f;

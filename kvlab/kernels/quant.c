@@ -1736,3 +1736,15 @@ int64_t kvlab_quant_interleave(int fmt, const uint8_t* w, int64_t ldw, int64_t r
     if (bytes < 0 || !out) return bytes;
     return kvlab_i8_repack(fmt, w, ldw, rows, n, FORMATS[fmt].values, FORMATS[fmt].bytes, out) ? -1 : bytes;
 }
+
+// A gated MLP's act(x · gateᵀ) · (x · upᵀ) [m, I] for gate and up in interleaved formats (fmt[0], fmt[1]):
+// kvlab_i8_gated, in one bfloat16 pass where it takes it; −1 otherwise (the caller multiplies, then activates).
+int kvlab_quant_gated(const int* fmt, const uint8_t* const* w, int64_t I, const float* x, float* y, int64_t m,
+                      int64_t n, int act, int threads) {
+    int source[2];
+    for (int j = 0; j < 2; j++) {
+        if (fmt[j] < INTERLEAVED || fmt[j] >= NUM_FORMATS) return -1;
+        source[j] = fmt[j] - INTERLEAVED + Q8_0;
+    }
+    return kvlab_i8_gated(source, w, I, x, y, m, n, I, act, threads);
+}

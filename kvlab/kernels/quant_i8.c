@@ -43,6 +43,7 @@
 
 #include "pool.h"
 #include "quant_i8.h"
+#include "vec8.h"  // gated8: a gated MLP's activation, the bits gemv.c's gives
 
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #include <immintrin.h>
@@ -773,6 +774,11 @@ typedef struct {
     int64_t m, n, groups, ldy, out;
     int64_t per;  // pairs of items a work item takes (pairs_per_run)
     int* failed;  // set when a thread found no memory for its panels
+    // a gated MLP (kvlab_i8_gated): w the gate's matrix, w2 (layout l2) the up's, out = I; pair q is item q
+    // of each, and y gets act(gate) · up (gated8, act an ACT_* id). w2 NULL: pair q is items 2q, 2q + 1 of w
+    const uint8_t* w2;
+    Layout l2;
+    int act;
 } Bf16Product;
 
 static void bf16_configure(void) {
@@ -784,14 +790,30 @@ static void bf16_configure(void) {
     _tile_loadconfig(&c);
 }
 
+// Pairs of items a product has: (items + 1) / 2 of one matrix, or a gated MLP's I / 16 (gate's and up's)
+static int64_t bf16_pairs_of(const Bf16Product* p) {
+    const int64_t items = (p->out + LANES - 1) / LANES;
+    return p->w2 ? items : (items + 1) / 2;
+}
+
+// act(gate) · up of 32 rows of a pair's sums (gate's 16 outputs, then up's, in each row of 32) into y
+static void bf16_gated_rows(const Bf16Product* p, const float* sums, int64_t i0, int64_t q) {
+    for (int64_t i = i0; i < p->m && i < i0 + 32; i++)
+        for (int h = 0; h < 2; h++)
+            store8(p->y + i * p->ldy + q * LANES + 8 * h,
+                   gated8(load8(sums + (i - i0) * 32 + 8 * h), load8(sums + (i - i0) * 32 + LANES + 8 * h), p->act));
+}
+
 // The tiles hold 32 rows × 32 outputs of sums (0-3), two 16-row blocks of activations (4, 5) and two
 // items' panels (6, 7): a pair of items at a time. A work item is a run of `per` pairs: their panels
 // decoded first, then each 32-row block of activations, read once, serves every pair of the run (one
 // pair a work item read all the activations again for each: Qwen2.5's 4,864-wide down projection at 512
-// rows, 5 MB a pass)
+// rows, 5 MB a pass). A gated MLP's pair is a gate item and the up item of the same outputs, so its 32
+// rows' activations leave the tiles at once (the same sums as the two parts' own products)
 static void bf16_runs_of_pairs(void* ctx, uint32_t begin, uint32_t end) {
     const Bf16Product* p = ctx;
     const int64_t n = p->n, ib = item_bytes(&p->l, p->groups), items = (p->out + LANES - 1) / LANES;
+    const int64_t pairs = bf16_pairs_of(p);
     uint32_t* panels = aligned_alloc(64, p->per * 2 * n * 32);  // 2·per items, n/2 rows of 64 bytes each
     float sums[32 * 32] __attribute__((aligned(64)));
     if (!panels) {
@@ -800,13 +822,24 @@ static void bf16_runs_of_pairs(void* ctx, uint32_t begin, uint32_t end) {
     }
     bf16_configure();
     for (int64_t run = begin; run < end; run++) {
-        const int64_t it0 = 2 * p->per * run, it1 = it0 + 2 * p->per < items ? it0 + 2 * p->per : items;
-        for (int64_t it = it0; it < it1; it++) panel_of(&p->l, p->w + it * ib, p->groups, panels + (it - it0) * n * 8);
+        const int64_t q0 = p->per * run, q1 = q0 + p->per < pairs ? q0 + p->per : pairs;
+        for (int64_t q = q0; q < q1; q++) {
+            uint32_t* panel = panels + (q - q0) * 2 * n * 8;  // the pair's two items', n * 8 words each
+            if (p->w2) {
+                panel_of(&p->l, p->w + q * ib, p->groups, panel);
+                const int64_t groups2 = n / p->l2.S;  // up's groups (a K-quant's sub-blocks may be of 16)
+                panel_of(&p->l2, p->w2 + q * item_bytes(&p->l2, groups2), groups2, panel + n * 8);
+            } else {
+                for (int64_t it = 2 * q; it < 2 * q + 2 && it < items; it++)
+                    panel_of(&p->l, p->w + it * ib, p->groups, panel + (it - 2 * q) * n * 8);
+            }
+        }
         for (int64_t i0 = 0; i0 < p->m; i0 += 32) {
             const uint16_t* x0 = p->xb + i0 * n;
-            for (int64_t it = it0; it < it1; it += 2) {
-                const int two = it + 1 < it1;
-                const uint32_t* panel = panels + (it - it0) * n * 8;
+            for (int64_t q = q0; q < q1; q++) {
+                const int64_t it = 2 * q;  // (one matrix's pairs: its first item)
+                const int two = p->w2 || it + 1 < items;
+                const uint32_t* panel = panels + (q - q0) * 2 * n * 8;
                 _tile_zero(0);
                 _tile_zero(1);
                 _tile_zero(2);
@@ -828,6 +861,10 @@ static void bf16_runs_of_pairs(void* ctx, uint32_t begin, uint32_t end) {
                 if (two) {
                     _tile_stored(1, sums + 16, 128);
                     _tile_stored(3, sums + 16 * 32 + 16, 128);
+                }
+                if (p->w2) {
+                    bf16_gated_rows(p, sums, i0, q);
+                    continue;
                 }
                 const int64_t o0 = it * LANES, width = p->out - o0 < 32 ? p->out - o0 : 32;
                 const __mmask16 lo = width >= 16 ? 0xFFFF : (__mmask16)((1u << width) - 1);
@@ -1247,4 +1284,32 @@ int kvlab_i8_matmul_parts(int num, const int* fmt, const uint8_t* const* w, cons
     if (!status) kvlab_pool_run_jobs(&jobs, claim_size(m, jobs.first[num], threads), threads);
     for (int j = 0; j < num; j++) free(xq[j]);
     return status;
+}
+
+// A gated MLP's activations y [m, I] (row stride ldy) = act(x · gateᵀ) · (x · upᵀ), gate and up interleaved
+// matrices of I rows each (formats fmt[0], fmt[1]; act an ACT_* id), in one pass of bfloat16 tiles: each
+// pair of items is a gate item and the up item of the same 16 outputs, so the activation is taken as the
+// sums leave the tiles (gated8), where two products write gate and up out for gated_act to read back
+// (Qwen2.5-Coder-0.5B's 512-row passes: 20 MB a layer each way). The same bits as those products and
+// gated_act. Returns 0; −1 where the pass is not one for the bfloat16 tiles (bf16_for), I is not whole
+// items or a format has no interleaved form (the caller multiplies, then activates); −2 without memory.
+int kvlab_i8_gated(const int* fmt, const uint8_t* const* w, int64_t I, const float* x, float* y, int64_t m, int64_t n,
+                   int64_t ldy, int act, int threads) {
+#if defined(BF16)
+    Layout l[2];
+    if (!bf16_for(m, n) || I % LANES || act < 0 || act >= ACTIVATIONS || I / LANES >= UINT32_MAX) return -1;
+    for (int j = 0; j < 2; j++)
+        if (layout(fmt[j], &l[j]) || n % l[j].S) return -1;
+    uint16_t* xb = bf16_activations(x, m, n, threads);
+    if (!xb) return -2;
+    int failed = 0;
+    const int64_t pairs = I / LANES, per = pairs_per_run(pairs, n, threads);
+    Bf16Product b = {l[0], w[0], xb, y, m, n, n / l[0].S, ldy, I, per, &failed, w[1], l[1], act};
+    kvlab_pool_run(bf16_runs_of_pairs, &b, (uint32_t)((pairs + per - 1) / per), 1, threads);
+    free(xb);
+    return failed ? -2 : 0;
+#else
+    (void)fmt, (void)w, (void)I, (void)x, (void)y, (void)m, (void)n, (void)ldy, (void)act, (void)threads;
+    return -1;
+#endif
 }

@@ -14,3 +14,6 @@ int kvlab_i8_matmul_parts(int num, const int* fmt, const uint8_t* const* w, cons
                           float* y, int64_t m, int64_t n, int64_t ldy, int threads);
 // The rows from which a pass multiplies in bfloat16 on AMX tiles instead (0: never, on this machine)
 int kvlab_i8_bf16_rows(void);
+// A gated MLP's act(x · gateᵀ) · (x · upᵀ) in one bfloat16 pass; −1 where it is not one (see quant_i8.c)
+int kvlab_i8_gated(const int* fmt, const uint8_t* const* w, int64_t I, const float* x, float* y, int64_t m, int64_t n,
+                   int64_t ldy, int act, int threads);

@@ -51,7 +51,6 @@ typedef struct {
     int64_t in, out;
 } Linear;
 
-enum { ACT_SILU = 0, ACT_GELU_TANH = 1, ACTIVATIONS = 2 };  // the gated MLP's activation of its gate
 
 // A mixture of experts (kvlab/model/moe.py) as the layer's MLP: the router picks top_k of E experts per
 // row, each chosen expert multiplies all the rows that chose it at once (its matrices read once per step),

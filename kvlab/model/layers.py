@@ -169,8 +169,11 @@ class GatedMLP(nn.Module):
         raise NotImplementedError
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj.forward_parts(x)  # [B, T, I] each
         act_id = activation_ids().get(self.activation)
+        fused = current_ops().gated_product(x, self.gate_up_proj, act_id) if act_id is not None else None
+        if fused is not None:  # gate, up and the activation in one pass (the same bits as below)
+            return self.down_proj(fused)
+        gate, up = self.gate_up_proj.forward_parts(x)  # [B, T, I] each
         rows = gate.numel() // gate.shape[-1]
         if act_id is not None and gate.dtype == torch.float32 and current_ops().small_ops(gate, rows):
             return self.down_proj(gated_act(gate, up, act_id))  # the C step's own activation (its bits)
