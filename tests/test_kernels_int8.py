@@ -225,7 +225,9 @@ def test_a_gated_mlps_pass_takes_its_activation_from_the_tiles_with_the_two_prod
         gate, _ = interleaved(fmts[0], intermediate, n, seed=intermediate)
         up, _ = interleaved(fmts[1], intermediate, n, seed=intermediate + 1)
         x = torch.randn(BF16_ROWS + 50, n, generator=torch.Generator().manual_seed(intermediate)) * 2
-        both = quant.packed_linear(x, [gate, up], 2 * intermediate, threads=2)
+        both = quant.packed_linear(x, [gate, up], 2 * intermediate, threads=2)  # one job, x rounded once
+        apart = [quant.packed_linear(x, [p], intermediate, threads=2) for p in (gate, up)]
+        assert torch.equal(both, torch.cat(apart, dim=1))
         expected = gemv.gated_act(both[:, :intermediate], both[:, intermediate:], act)
         fused = quant.gated_product(x, gate, up, act, threads=2)
         assert torch.equal(fused, expected), (fmts, act, intermediate)

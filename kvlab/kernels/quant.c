@@ -1642,7 +1642,9 @@ int kvlab_quant_matmul(int fmt, const uint8_t* w, int64_t ldw, const float* x, f
 // dispatch where a call per part makes one each (a decode step's small matrices spend as long in a
 // dispatch as in their products). Part j (format fmt[j], out[j] rows at w[j], ldw[j] bytes a row)
 // writes its columns of y after the parts before it; the numbers are kvlab_quant_matmul's, part by
-// part. Parts in different families (interleaved and not) or rows past one pass go part by part.
+// part. Parts in different families (interleaved and not) or rows past one pass go part by part, except
+// interleaved parts in bfloat16 on the tiles: one job and one rounding of x for all (q, k and v of a
+// 512-token pass: three of each before).
 int kvlab_quant_matmul_parts(int num, const int* fmt, const uint8_t* const* w, const int64_t* ldw, const int64_t* out,
                              const float* x, float* y, int64_t m, int64_t n, int64_t ldy, int threads) {
     int interleaved = 0;
@@ -1650,7 +1652,7 @@ int kvlab_quant_matmul_parts(int num, const int* fmt, const uint8_t* const* w, c
         if (fmt[j] < 0 || fmt[j] >= NUM_FORMATS || n % FORMATS[fmt[j]].values || out[j] / ROWS >= UINT32_MAX) return -1;
         interleaved += fmt[j] >= INTERLEAVED;
     }
-    if (num > 1 && num <= KVLAB_MAX_JOBS && m <= MAX_M && interleaved == num) {
+    if (num > 1 && num <= KVLAB_MAX_JOBS && (m <= MAX_M || kvlab_i8_bf16_pass(m, n)) && interleaved == num) {
         int source[KVLAB_MAX_JOBS];
         for (int j = 0; j < num; j++) source[j] = fmt[j] - INTERLEAVED + Q8_0;
         return kvlab_i8_matmul_parts(num, source, w, out, x, y, m, n, ldy, threads);

@@ -1166,6 +1166,8 @@ static int bf16_for(int64_t m, int64_t n) {
 #endif
 }
 
+int kvlab_i8_bf16_pass(int64_t m, int64_t n) { return bf16_for(m, n); }
+
 int kvlab_i8_bf16_rows(void) {
 #if defined(BF16)
     return amx_available() ? BF16_ROWS : 0;
