@@ -77,13 +77,15 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=12, help="timed decode steps per batch and round")
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--kv-cache-dtype", default="auto", help="the KV cache's format, as `kvlab serve` takes it")
     p.add_argument("--json", type=Path)
     args = p.parse_args()
     results = {"machine": {"cpu": cpu_model(), "threads": args.threads, "command": " ".join(sys.argv)}, "models": {}}
-    print(f"# {cpu_model()}, {args.threads} threads; step = wall time of engine.step() with B sequences decoding")
+    print(f"# {cpu_model()}, {args.threads} threads, KV cache {args.kv_cache_dtype}; step = wall time of engine.step() "
+          "with B sequences decoding")
     for model in args.models:
         llms = {s: LLM(model, threads=args.threads, activation_quant=SETTINGS[s], max_model_len=1024,
-                       enable_prefix_caching=False) for s in args.settings}  # fmt: skip
+                       enable_prefix_caching=False, kv_cache_dtype=args.kv_cache_dtype) for s in args.settings}  # fmt: skip
         samples = {(s, b): [] for s in args.settings for b in args.batches}
         for r in range(args.rounds):
             for b in args.batches:
