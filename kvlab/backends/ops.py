@@ -77,9 +77,9 @@ class TorchOps:
         """x [rows, in] times the parts stacked by rows, float32: here each part dequantized, then F.linear."""
         return torch.cat([F.linear(x.float(), self.dequantize(part)) for part in parts], dim=-1)
 
-    def gated_product(self, x: torch.Tensor, gate_up, activation_id: int) -> torch.Tensor | None:
-        """A gated MLP's act(gate) · up [..., I] from its fused gate/up layer in one pass, with the bits of the
-        product followed by the activation; None where this device has no such pass (the MLP does both)."""
+    def gated_product(self, x: torch.Tensor, parts, activation_id: int) -> torch.Tensor | None:
+        """A gated MLP's act(gate) · up [..., I] in one pass, parts its stored [gate, up] (PackedTensor), with
+        the bits of the product followed by the activation; None where this device has no such pass."""
         return None
 
     def dequantize(self, part) -> torch.Tensor:
@@ -175,20 +175,18 @@ class CpuOps(TorchOps):
 
         return quant.packed_linear(x, parts, out_features)
 
-    def gated_product(self, x, gate_up, activation_id):
+    def gated_product(self, x, parts, activation_id):
         # --activation-quant int8's prompt-sized passes: gate and up on the bfloat16 tiles together, the
         # activation taken as their sums leave the tiles (kernels/quant_i8.c kvlab_i8_gated), where the MLP's
         # own path writes both out and reads them back for gated_act, whose bits these are
         from kvlab.kernels import quant
-        from kvlab.quant.linear import PackedLinear
 
-        if not isinstance(gate_up, PackedLinear) or gate_up.bias is not None or len(gate_up.parts) != 2:
-            return None
-        rows = x.numel() // gate_up.in_features
-        x2 = x.reshape(rows, gate_up.in_features)
-        if not (self.packed_applies(x2, gate_up.formats) and self.small_ops(x2, rows)):
+        in_features = parts[0].shape[1]
+        rows = x.numel() // in_features
+        x2 = x.reshape(rows, in_features)
+        if not (self.packed_applies(x2, [p.fmt for p in parts]) and self.small_ops(x2, rows)):
             return None  # the MLP's own path would not take the C kernels' bits
-        y = quant.gated_product(x2, *gate_up.packed(), activation_id, current().threads)
+        y = quant.gated_product(x2, *parts, activation_id, current().threads)
         return None if y is None else y.view(*x.shape[:-1], y.shape[-1])
 
     def dequantize(self, part):

@@ -170,7 +170,8 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         act_id = activation_ids().get(self.activation)
-        fused = current_ops().gated_product(x, self.gate_up_proj, act_id) if act_id is not None else None
+        gated = getattr(self.gate_up_proj, "gated", None)  # stored blocks (quant.linear.PackedLinear)
+        fused = gated(x, act_id) if gated is not None and act_id is not None else None
         if fused is not None:  # gate, up and the activation in one pass (the same bits as below)
             return self.down_proj(fused)
         gate, up = self.gate_up_proj.forward_parts(x)  # [B, T, I] each

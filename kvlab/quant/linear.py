@@ -108,6 +108,13 @@ class PackedLinear(nn.Module):
     def forward_parts(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return self(x).split(self.parts, dim=-1)
 
+    def gated(self, x: torch.Tensor, activation_id: int) -> torch.Tensor | None:
+        """act(gate) · up of this fused [gate; up] layer in one pass where the device has one (a GatedMLP's;
+        `activation_id` kernels.decode's), the bits of forward_parts then the MLP's activation; else None."""
+        if self.bias is not None or len(self.parts) != 2:
+            return None
+        return current_ops().gated_product(x, self.packed(), activation_id)
+
     # ---- what it costs ----------------------------------------------------------------------------
 
     def weight_tensors(self) -> list[torch.Tensor]:
