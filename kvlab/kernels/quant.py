@@ -176,20 +176,21 @@ def gated_product(x: torch.Tensor, gate, up, activation_id: int, threads: int | 
     formats, in one bfloat16 pass of the AMX tiles where it takes the call (a pass of bf16_prompt_rows() rows
     or more, I in whole items of 16): the bits of packed_linear over both parts, then gemv.gated_act. None
     where it does not: the caller multiplies, then activates."""
-    ids, lib = _format_ids(), _library()
+    ids, lib, least = _format_ids(), _library(), bf16_prompt_rows()
     rows, in_features = x.shape
     I = gate.shape[0]
-    if not lib or rows < bf16_prompt_rows() or not bf16_prompt_rows() or up.shape[0] != I:
+    if not lib or not least or rows < least or up.shape[0] != I:
         return None
     if any(not is_interleaved(p.fmt) or p.fmt not in ids for p in (gate, up)):
         return None
     if x.dtype != torch.float32 or not x.is_contiguous():
         x = x.float().contiguous()
+    fmts = (ctypes.c_int * 2)(ids[gate.fmt], ids[up.fmt])
     data = [_checked_blocks(p, in_features) for p in (gate, up)]
     y = torch.empty(rows, I)
-    status = lib["gated"]((ctypes.c_int * 2)(ids[gate.fmt], ids[up.fmt]), (ctypes.c_void_p * 2)(*[d.data_ptr() for d in data]),
-                          I, x.data_ptr(), y.data_ptr(), rows, in_features, activation_id, _threads(threads))  # fmt: skip
-    return y if status == 0 else None  # −2 (no memory) too: the products part by part say so
+    status = lib["gated"](fmts, (ctypes.c_void_p * 2)(*[d.data_ptr() for d in data]), I, x.data_ptr(), y.data_ptr(),
+                          rows, in_features, activation_id, _threads(threads))  # fmt: skip
+    return y if status == 0 else None  # −2, no memory: None as well, and the two products then say it themselves
 
 
 def dequantize(part, threads: int | None = None) -> torch.Tensor:
