@@ -44,3 +44,27 @@ def test_an_llm_on_a_cpu_frees_it_after_the_load(tmp_path, monkeypatch):
     assert calls == ["release"]
     out = llm.generate([{"prompt_token_ids": [5, 6, 7]}], kvlab.SamplingParams(max_tokens=2, temperature=0))
     assert len(out[0].outputs[0].token_ids) == 2
+
+
+@pytest.mark.skipif(platform.system() != "Linux", reason="the spin is libgomp's, read when Linux loads it")
+def test_torch_imported_first_is_told_once_how_to_keep_its_openmp_off_the_cores(tiny_chat_model):
+    """kvlab sets GOMP_SPINCOUNT at import, which PyTorch's OpenMP reads only when it loads: imported after
+    torch, LLM() warns (and says what to do); imported first, or with the variable set, it does not."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
+    load = f"from kvlab import LLM; LLM({str(tiny_chat_model)!r}, max_model_len=64)"
+
+    def stderr(first: str, extra: dict | None = None) -> str:
+        run = subprocess.run([sys.executable, "-c", f"{first}; {load}"], env={**env, **(extra or {})},
+                             capture_output=True, text=True, timeout=120)  # fmt: skip
+        assert run.returncode == 0, run.stderr
+        return run.stderr
+
+    told = "PyTorch was imported before kvlab"
+    assert stderr("import torch, kvlab").count(told) == 1
+    assert "GOMP_SPINCOUNT=10000" in stderr("import torch, kvlab")
+    assert told not in stderr("import kvlab, torch")
+    assert told not in stderr("import torch, kvlab", {"GOMP_SPINCOUNT": "300000"})
