@@ -60,7 +60,7 @@
 typedef struct {
     int S;        // values per sub-block (one group)
     int nibble;   // codes stored as 4-bit (1), or as 4-bit plus a plane of their fifth bits (2)
-    int off;      // weight = scale·(code − off) + min
+    int off;      // weight = scale·(code − off) + min; 0 wherever there is a min (amx_rows counts on it)
     int has_min;  // a per-sub-block min
     int G;        // groups per super-block
     int kq;       // scales as int8 per group times a float per super-block (K-quants); else float16 per group
@@ -685,7 +685,10 @@ static inline __attribute__((always_inline)) void amx_rows(const Product* p, con
             const __m512 scale = group_scales(head, gi, G, MIN, KQ, &min);
 #pragma GCC unroll 16
             for (int i = 0; i < AMX_M; i++) {
-                const __m512i s = _mm512_add_epi32(_mm512_load_si512(sj + LANES * i), _mm512_set1_epi32(x[i].neg_off));
+                // a format with mins has no code offset (off 0, neg_off 0): nothing to add (Q4_1 at 16
+                // rows, SmolLM2's gate and up, one thread: 160 -> 150 us)
+                const __m512i sum = _mm512_load_si512(sj + LANES * i);
+                const __m512i s = MIN ? sum : _mm512_add_epi32(sum, _mm512_set1_epi32(x[i].neg_off));
                 a[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(scale, _mm512_set1_ps(x[i].dx)), a[i]);
                 if (MIN) a[i] = _mm512_fmadd_ps(min, _mm512_set1_ps(x[i].dx_sum), a[i]);
             }
