@@ -27,6 +27,8 @@ int kvlab_mxfp4_matmul(const uint8_t* w, int64_t ldw, const float* x, int64_t ld
                        int64_t rows_x, int64_t out_features, int64_t in_features, int threads);
 void kvlab_rms_norm_f32(const float* x, const float* w, float* y, int64_t rows, int64_t n, float eps);
 void kvlab_gated_act_f32(const float* gate_up, float* y, int64_t rows, int64_t I, int act);
+void kvlab_gated_act_rows(const float* gate, int64_t gate_stride, const float* up, int64_t up_stride, float* y,
+                          int64_t rows, int64_t I, int act, int threads);
 void kvlab_argmax_rows(const float* x, int64_t rows, int64_t n, int64_t* out, int threads);
 void kvlab_rope_f32(float* x, const float* cos, const float* signed_sin, int64_t tokens, int64_t heads, int64_t d,
                     int64_t token_stride);
