@@ -212,14 +212,13 @@ void kvlab_rms_norm_f32(const float* x, const float* w, float* y, int64_t rows, 
 }
 
 // y[r, i] = act(gate) · up over `rows` rows of gate_up [rows, 2I] (gate in the first I columns): act
-// step.h's ACT_* ids (gated8, 8 values at a time; the row's last I mod 8 with libm's expf). The decode
+// step.h's ACT_* ids (vec8.h: gated8, 8 values at a time; gated1 the row's last I mod 8). The decode
 // step's MLP and the modules' decode-sized passes both call this, so a gated MLP gives the same bits on
 // both paths (PyTorch's vectorised tanh and exp differ from these by an ulp here and there).
 // gate and up may be apart (row r of each at gate + r·gate_stride, up + r·up_stride): the two halves of
 // one fused product, or two products
 static void gated_act(const float* gate, int64_t gate_stride, const float* up, int64_t up_stride, float* y,
                       int64_t rows, int64_t I, int act) {
-    const float k2 = 2.0f * 0.7978845608028654f;  // 2·sqrt(2 / pi)
     for (int64_t r = 0; r < rows; r++) {
         const float *g = gate + r * gate_stride, *u = up + r * up_stride;
         float* out = y + r * I;
@@ -228,10 +227,7 @@ static void gated_act(const float* gate, int64_t gate_stride, const float* up, i
             const v8f a = gated8(load_f32(g + i), load_f32(u + i), act);
             memcpy(out + i, &a, sizeof a);
         }
-        for (; i < I; i++) {
-            const float t = act == ACT_GELU_TANH ? k2 * (g[i] + 0.044715f * g[i] * g[i] * g[i]) : g[i];
-            out[i] = g[i] / (1.0f + expf(-t)) * u[i];
-        }
+        for (; i < I; i++) out[i] = gated1(g[i], u[i], act);
     }
 }
 

@@ -53,7 +53,6 @@ typedef struct {
     int64_t in, out;
 } Linear;
 
-
 // A mixture of experts (kvlab/model/moe.py) as the layer's MLP: the router picks top_k of E experts per
 // row, each chosen expert multiplies all the rows that chose it at once (its matrices read once per step),
 // the weighted outputs summed expert by expert in ascending order (the modules' order); plus a shared

@@ -5,6 +5,7 @@
 #ifndef KVLAB_VEC8_H
 #define KVLAB_VEC8_H
 
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -52,10 +53,17 @@ static inline v8f exp_v8(v8f x) {
 // approximate="tanh"). Both are g·σ(t): SiLU t = g; GELU's 0.5·(1 + tanh z) is σ(2z), t = 2z, z = √(2/π)(g +
 // 0.044715 g³); σ(t) = 1 / (1 + e^−t). gemv.c's gated_act and quant_i8.c's gated bfloat16 products both call
 // it, so a gated MLP has the same bits on either.
+#define GELU_TANH_K2 (2.0f * 0.7978845608028654f)  // 2·sqrt(2 / pi)
+
 static inline v8f gated8(v8f g, v8f u, int act) {
-    const float k2 = 2.0f * 0.7978845608028654f;  // 2·sqrt(2 / pi)
-    const v8f t = act == ACT_GELU_TANH ? k2 * (g + 0.044715f * g * g * g) : g;
+    const v8f t = act == ACT_GELU_TANH ? GELU_TANH_K2 * (g + 0.044715f * g * g * g) : g;
     return g / (1.0f + exp_v8(-t)) * u;
+}
+
+// gated8 for one value (a row's last I mod 8), with libm's expf
+static inline float gated1(float g, float u, int act) {
+    const float t = act == ACT_GELU_TANH ? GELU_TANH_K2 * (g + 0.044715f * g * g * g) : g;
+    return g / (1.0f + expf(-t)) * u;
 }
 
 #endif
