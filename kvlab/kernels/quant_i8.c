@@ -60,7 +60,7 @@
 typedef struct {
     int S;        // values per sub-block (one group)
     int nibble;   // codes stored as 4-bit (1), or as 4-bit plus a plane of their fifth bits (2)
-    int off;      // weight = scale·(code − off) + min; 0 wherever there is a min (amx_rows counts on it)
+    int off;      // weight = scale·(code − off) + min; 0 wherever there is a min (amx_rows and NIBBLE_OFF count on it)
     int has_min;  // a per-sub-block min
     int G;        // groups per super-block
     int kq;       // scales as int8 per group times a float per super-block (K-quants); else float16 per group
@@ -474,23 +474,29 @@ static inline __m512 int8_times16(const uint8_t* sc, const float* d) {  // 16 in
 
 // Code register k (codes 4k .. 4k + 3 of each lane's row, their low 4 bits) with their fifth bits from a
 // 5-bit layout's plane (lane r's bit j: code j's fifth): the plane's byte k/2 copied to the lane's four
-// bytes, each tested for its own bit, and 16 added where it is set
-static inline __m512i with_fifth_bits(__m512i w, __m512i plane, int k) {
+// bytes, each tested for its own bit, and 16 added where it is set. SIGNED: code − 16 instead, the same
+// two instructions (16 taken away where the bit is clear).
+static inline __m512i with_fifth_bits(__m512i w, __m512i plane, int k, const int SIGNED) {
     const __m512i at = _mm512_add_epi8(_mm512_set4_epi32(0x0C0C0C0C, 0x08080808, 0x04040404, 0), _mm512_set1_epi8((char)(k / 2)));
-    const __mmask64 set = _mm512_test_epi8_mask(_mm512_shuffle_epi8(plane, at), _mm512_set1_epi32(k % 2 ? (int)0x80402010 : 0x08040201));
-    return _mm512_mask_add_epi8(w, set, w, _mm512_set1_epi8(16));
+    const __m512i bits = _mm512_shuffle_epi8(plane, at), bit = _mm512_set1_epi32(k % 2 ? (int)0x80402010 : 0x08040201);
+    if (SIGNED) return _mm512_mask_sub_epi8(w, _mm512_testn_epi8_mask(bits, bit), w, _mm512_set1_epi8(16));
+    return _mm512_mask_add_epi8(w, _mm512_test_epi8_mask(bits, bit), w, _mm512_set1_epi8(16));
 }
 
 // A 4-bit group's codes at g as bytes (NIB 2: with their fifth bits from the plane after them): w[k], lane
-// r holds codes 4k .. 4k + 3 of row r, the low halves (codes 0..15) in w[0..3], the high ones in w[4..7]
-static inline __attribute__((always_inline)) void nibble_codes(const uint8_t* g, const int NIB, __m512i* w) {
+// r holds codes 4k .. 4k + 3 of row r, the low halves (codes 0..15) in w[0..3], the high ones in w[4..7].
+// OFF (the layout's code offset, as a constant): a nonzero one is taken away, the codes signed (the AMX
+// road's, which then has no offset to add to its sums); 0 leaves them as they are.
+static inline __attribute__((always_inline)) void nibble_codes(const uint8_t* g, const int NIB, const int OFF, __m512i* w) {
     const __m512i low4 = _mm512_set1_epi8(15);
     for (int k = 0; k < 4; k++) {
         const __m512i v = _mm512_loadu_si512(g + 64 * k);
         w[k] = _mm512_and_si512(v, low4), w[k + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
     }
-    if (NIB == 2)
-        for (int k = 0; k < 8; k++) w[k] = with_fifth_bits(w[k], _mm512_loadu_si512(g + 256), k);
+    if (NIB == 2)  // OFF is 16 here (Q5_0) or 0 (Q5_K)
+        for (int k = 0; k < 8; k++) w[k] = with_fifth_bits(w[k], _mm512_loadu_si512(g + 256), k, OFF != 0);
+    else if (OFF)
+        for (int k = 0; k < 8; k++) w[k] = _mm512_sub_epi8(w[k], _mm512_set1_epi8((char)OFF));
 }
 
 // Group gi's 16 lanes' scales (and mins, else zeros) from its super-block's head: lane_scale's numbers
@@ -522,7 +528,7 @@ static inline __attribute__((always_inline)) void item_rows(const Product* p, co
                 _mm_prefetch((const char*)item + p->ahead + line, _MM_HINT_T0);
         __m512i w[8];
         if (NIB) {
-            nibble_codes(g, NIB, w);
+            nibble_codes(g, NIB, 0, w);
         } else {
             for (int k = 0; k < NW; k++) w[k] = _mm512_loadu_si512(g + 64 * k);
         }
@@ -609,26 +615,33 @@ static void amx_configure(const Layout* l) {
     _tile_loadconfig(&c);
 }
 
-// Tile T (0-3) gets a group's sums: activations into tile A, codes (64 bytes a row) into B
-#define AMX_PRODUCT(T, A, B, xs, codes)                        \
+// Tile T (0-3) gets a group's sums: activations into tile A, codes (64 bytes a row) into B. SIGNED: the
+// codes less their offset (4-bit codes, split_group), so that the sums need nothing added; else as stored,
+// 0..255 (8-bit codes)
+#define AMX_PRODUCT(T, A, B, xs, codes, SIGNED)                \
     do {                                                       \
         _tile_zero(T);                                         \
         _tile_loadd(A, (const void*)(xs), sizeof(XBlock));     \
         _tile_loadd(B, (const void*)(codes), 64);              \
-        _tile_dpbsud(T, A, B);                                 \
+        if (SIGNED) _tile_dpbssd(T, A, B);                     \
+        else _tile_dpbsud(T, A, B);                            \
     } while (0)
 
+// A 4-bit layout's code offset, as a constant: Q4_0's 8, Q5_0's 16, none where there is a min
+#define NIBBLE_OFF(NIB, MIN) ((MIN) ? 0 : (NIB) == 2 ? 16 : 8)
+
 // A group's 4-bit codes (NIB 2: with their fifth bits) as 8-bit tile rows: rows 0-3 the low halves
-// (codes 0..15), rows 4-7 the high ones (16..31)
-static inline __attribute__((always_inline)) void split_group(const uint8_t* codes, uint8_t* out, const int NIB) {
+// (codes 0..15), rows 4-7 the high ones (16..31); signed, less the layout's offset OFF (nibble_codes)
+static inline __attribute__((always_inline)) void split_group(const uint8_t* codes, uint8_t* out, const int NIB,
+                                                              const int OFF) {
     __m512i w[8];
-    nibble_codes(codes, NIB, w);
+    nibble_codes(codes, NIB, OFF, w);
     for (int k = 0; k < 8; k++) _mm512_store_si512(out + 64 * k, w[k]);
 }
 
 // Groups b0 .. b0 + 3 (those there are) of an item through the tiles, their sums into tiles 0-3
 static inline __attribute__((always_inline)) void amx_sums(const Product* p, const uint8_t* item, int64_t i0,
-                                                           int64_t b0, const int NIB, const int G, const int HB,
+                                                           int64_t b0, const int NIB, const int MIN, const int G, const int HB,
                                                            const int CB, uint8_t (*split)[8 * 64],
                                                            const uint8_t* whole) {
     const int nb = p->groups - b0 < AMX_GROUPS ? (int)(p->groups - b0) : AMX_GROUPS;
@@ -641,15 +654,15 @@ static inline __attribute__((always_inline)) void amx_sums(const Product* p, con
         if (NIB && whole) {  // the item's codes, split once for all its rows (split_codes)
             codes[j] = whole + b * 8 * 64;
         } else if (NIB) {
-            split_group(codes[j], split[j], NIB);
+            split_group(codes[j], split[j], NIB, NIBBLE_OFF(NIB, MIN));
             codes[j] = split[j];
         }
     }
     const XBlock* xs = p->xq + b0 * p->m + i0;
-    AMX_PRODUCT(0, 4, 6, xs, codes[0]);
-    if (nb > 1) AMX_PRODUCT(1, 5, 7, xs + p->m, codes[1]);
-    if (nb > 2) AMX_PRODUCT(2, 4, 6, xs + 2 * p->m, codes[2]);
-    if (nb > 3) AMX_PRODUCT(3, 5, 7, xs + 3 * p->m, codes[3]);
+    AMX_PRODUCT(0, 4, 6, xs, codes[0], NIB);
+    if (nb > 1) AMX_PRODUCT(1, 5, 7, xs + p->m, codes[1], NIB);
+    if (nb > 2) AMX_PRODUCT(2, 4, 6, xs + 2 * p->m, codes[2], NIB);
+    if (nb > 3) AMX_PRODUCT(3, 5, 7, xs + 3 * p->m, codes[3], NIB);
 }
 
 // The sums of amx_sums' nb groups out of tiles 0-3
@@ -669,7 +682,7 @@ static inline __attribute__((always_inline)) void amx_rows(const Product* p, con
     uint8_t split[2][AMX_GROUPS][8 * 64] __attribute__((aligned(64)));  // 4-bit codes as 8-bit tile rows
     __m512 a[AMX_M];  // in registers: acc is memory the tiles' stores could alias
     for (int i = 0; i < AMX_M; i++) a[i] = _mm512_setzero_ps();
-    amx_sums(p, item, i0, 0, NIB, G, HB, CB, split[0], whole);
+    amx_sums(p, item, i0, 0, NIB, MIN, G, HB, CB, split[0], whole);
     amx_store(p->groups < AMX_GROUPS ? (int)p->groups : AMX_GROUPS, sums[0]);
     for (int64_t b0 = 0, set = 0; b0 < p->groups; b0 += AMX_GROUPS, set ^= 1) {
         // the next set's products, then this set's scaling, then the next set's stores (stores before
@@ -677,7 +690,7 @@ static inline __attribute__((always_inline)) void amx_rows(const Product* p, con
         // products on one thread, gate/up 4.91 -> 4.45 ms, q/k/v 1.68 -> 1.58, o 0.96 -> 0.91, down
         // unchanged; the scaling and the tiles' work alone take about half each)
         const int64_t next = b0 + AMX_GROUPS;
-        if (next < p->groups) amx_sums(p, item, i0, next, NIB, G, HB, CB, split[set ^ 1], whole);
+        if (next < p->groups) amx_sums(p, item, i0, next, NIB, MIN, G, HB, CB, split[set ^ 1], whole);
         const int nb = p->groups - b0 < AMX_GROUPS ? (int)(p->groups - b0) : AMX_GROUPS;
         for (int j = 0; j < nb; j++) {
             const int64_t b = b0 + j;
@@ -689,10 +702,11 @@ static inline __attribute__((always_inline)) void amx_rows(const Product* p, con
             const __m512 scale = group_scales(head, gi, G, MIN, KQ, &min);
 #pragma GCC unroll 16
             for (int i = 0; i < AMX_M; i++) {
-                // a format with mins has no code offset (off 0, neg_off 0): nothing to add (Q4_1 at 16
-                // rows, SmolLM2's gate and up, one thread: 160 -> 150 us)
+                // nothing to add where the codes have no offset (a format with mins: off 0) or went in less
+                // it (4-bit codes, split_group): at 16 rows on one thread, SmolLM2's Q4_1 gate and up 160 ->
+                // 150 us, Qwen2.5-Coder-0.5B's Q5_0 ones 700 -> 655 us
                 const __m512i sum = _mm512_load_si512(sj + LANES * i);
-                const __m512i s = MIN ? sum : _mm512_add_epi32(sum, _mm512_set1_epi32(x[i].neg_off));
+                const __m512i s = MIN || NIB ? sum : _mm512_add_epi32(sum, _mm512_set1_epi32(x[i].neg_off));
                 a[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(scale, _mm512_set1_ps(x[i].dx)), a[i]);
                 if (MIN) a[i] = _mm512_fmadd_ps(min, _mm512_set1_ps(x[i].dx_sum), a[i]);
             }
@@ -719,7 +733,11 @@ static void amx_item(const Product* p, const uint8_t* item, int64_t i0, const ui
 static void split_codes(const Layout* l, const uint8_t* item, int64_t groups, uint8_t* out) {
     const int G = GROUPS_PER_SUPER(1, 8, l->kq), HB = (int)head_bytes(l), CB = (int)code_bytes(l);
     for (int64_t b = 0; b < groups; b++) {
-        split_group(item + b / G * (HB + G * CB) + HB + (b % G) * CB, out + b * 512, l->nibble);
+        const uint8_t* g = item + b / G * (HB + G * CB) + HB + (b % G) * CB;
+        if (l->nibble == 2 && l->has_min) split_group(g, out + b * 512, 2, NIBBLE_OFF(2, 1));
+        else if (l->nibble == 2) split_group(g, out + b * 512, 2, NIBBLE_OFF(2, 0));
+        else if (l->has_min) split_group(g, out + b * 512, 1, NIBBLE_OFF(1, 1));
+        else split_group(g, out + b * 512, 1, NIBBLE_OFF(1, 0));
     }
 }
 
@@ -760,7 +778,7 @@ static void panel_of(const Layout* l, const uint8_t* item, int64_t groups, uint3
         const __m512 bias = _mm512_fnmadd_ps(_mm512_set1_ps((float)l->off), scale, min);  // min − off·scale
         __m512i w[8];  // register k, lane r: codes 4k .. 4k + 3 of row r, a byte each
         const int regs = l->nibble ? 8 : l->S / 4;
-        if (l->nibble) nibble_codes(g, l->nibble, w);
+        if (l->nibble) nibble_codes(g, l->nibble, 0, w);
         else
             for (int k = 0; k < regs; k++) w[k] = _mm512_loadu_si512(g + 64 * k);
         __m512 v[32];  // value j of the group, lane r: output row r's
