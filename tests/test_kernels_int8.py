@@ -193,9 +193,9 @@ def test_prompt_sized_passes_multiply_in_bfloat16_and_a_rows_bits_stand_alone(fm
     """From BF16_ROWS rows (AMX tiles for bfloat16): the weights and the activations rounded to bfloat16,
     summed in float32; 40, 200 and 584 outputs leave an item alone in its pair and part-filled ones, and
     584 (37 items) makes runs of 2 pairs on 2 threads, of 4 on one; a row's bits are the same in any pass
-    of that size and on any threads, and not the int8 rows' numbers."""
-    n = 256
-    for out in (40, 200, 584):
+    of that size and on any threads, and not the int8 rows' numbers. Inputs of one chunk of K (256, see
+    BF16_K_CHUNK) and of several (768: three; 544: two and a part), whose sums wait in memory between them."""
+    for n, out in [(256, 40), (256, 200), (256, 584), (768 if fmt.endswith("K") else 544, 200)]:
         part, w = interleaved(fmt, out, n, seed=out)
         x = torch.randn(BF16_ROWS + 150, n, generator=torch.Generator().manual_seed(out)) * 3
         y = quant.packed_linear(x, [part], out, threads=2)
@@ -220,8 +220,7 @@ def test_a_gated_mlps_pass_takes_its_activation_from_the_tiles_with_the_two_prod
     int8 road's passes (fewer rows) and outputs in no whole items are left to the MLP (None)."""
     from kvlab.kernels import gemv
 
-    n = 256
-    for intermediate in (48, 208):
+    for n, intermediate in [(256, 48), (256, 208), (768, 208)]:  # 768: three chunks of K
         gate, _ = interleaved(fmts[0], intermediate, n, seed=intermediate)
         up, _ = interleaved(fmts[1], intermediate, n, seed=intermediate + 1)
         x = torch.randn(BF16_ROWS + 50, n, generator=torch.Generator().manual_seed(intermediate)) * 2

@@ -755,6 +755,10 @@ static void split_codes(const Layout* l, const uint8_t* item, int64_t groups, ui
 // against these, at 32 rows 0.39 against 0.41 ms (q/k/v, o, gate/up, down), at 64 0.73 against 0.56, at
 // 96 1.23 against 0.77; at 512 rows on one thread, gate/up 4.45 against 2.20 ms
 #define BF16_ROWS 64
+// Values of K a 32-row block of activations goes through the tiles at a time: 16 KB of it, in L1 for
+// every pair of a run (Qwen2.5-Coder-0.5B's 512-token pass on 2 threads, 322 -> 302 ms; 128: 307-313,
+// 384: 322-331; SmolLM2's 576-wide blocks fit whole and gain nothing)
+#define BF16_K_CHUNK 256
 
 // (lo[r], hi[r]) as bfloat16 in 32-bit lane r: two consecutive values of K of output row r, the pair
 // the tiles' B operand holds
@@ -833,16 +837,22 @@ static void bf16_gated_rows(const Bf16Product* p, const float* sums, int64_t i0,
 // items' panels (6, 7): a pair of items at a time. A work item is a run of `per` pairs: their panels
 // decoded first, then each 32-row block of activations, read once, serves every pair of the run (one
 // pair a work item read all the activations again for each: Qwen2.5's 4,864-wide down projection at 512
-// rows, 5 MB a pass). A gated MLP's pair is a gate item and the up item of the same outputs, so its 32
-// rows' activations leave the tiles at once (the same sums as the two parts' own products)
+// rows, 5 MB a pass). A block goes BF16_K_CHUNK values of K at a time through every pair, so that its
+// chunk stays in L1 from pair to pair and only the panels come from L2; each pair's sums wait in memory
+// from chunk to chunk (the same additions in the same order). A gated MLP's pair is a gate item and the
+// up item of the same outputs, so its 32 rows' activations leave the tiles at once (the same sums as the
+// two parts' own products)
 static void bf16_runs_of_pairs(void* ctx, uint32_t begin, uint32_t end) {
     const Bf16Product* p = ctx;
     const int64_t n = p->n, ib = item_bytes(&p->l, p->groups), items = (p->out + LANES - 1) / LANES;
     const int64_t pairs = bf16_pairs_of(p);
     uint32_t* panels = aligned_alloc(64, p->per * 2 * n * 32);  // 2·per items, n/2 rows of 64 bytes each
+    float* parts = aligned_alloc(64, p->per * 32 * 32 * sizeof(float));
     float sums[32 * 32] __attribute__((aligned(64)));
-    if (!panels) {
+    if (!panels || !parts) {
         __atomic_store_n(p->failed, 1, __ATOMIC_RELAXED);
+        free(panels);
+        free(parts);
         return;
     }
     bf16_configure();
@@ -859,50 +869,65 @@ static void bf16_runs_of_pairs(void* ctx, uint32_t begin, uint32_t end) {
                     panel_of(&p->l, p->w + it * ib, p->groups, panel + (it - 2 * q) * n * 8);
             }
         }
-        for (int64_t i0 = 0; i0 < p->m; i0 += 32) {
-            const uint16_t* x0 = p->xb + i0 * n;
-            for (int64_t q = q0; q < q1; q++) {
-                const int64_t it = 2 * q;  // (one matrix's pairs: its first item)
-                const int two = p->w2 || it + 1 < items;
-                const uint32_t* panel = panels + (q - q0) * 2 * n * 8;
-                _tile_zero(0);
-                _tile_zero(1);
-                _tile_zero(2);
-                _tile_zero(3);
-                for (int64_t k = 0; k < n; k += 32) {  // 32 values of K: 16 panel rows
-                    _tile_loadd(4, x0 + k, n * 2);
-                    _tile_loadd(5, x0 + 16 * n + k, n * 2);
-                    _tile_loadd(6, panel + k * 8, 64);
-                    _tile_dpbf16ps(0, 4, 6);
-                    _tile_dpbf16ps(2, 5, 6);
+        for (int64_t i0 = 0; i0 < p->m; i0 += 32)
+            for (int64_t kc = 0; kc < n; kc += BF16_K_CHUNK) {
+                const uint16_t* x0 = p->xb + i0 * n;
+                const int64_t kend = kc + BF16_K_CHUNK < n ? kc + BF16_K_CHUNK : n;
+                for (int64_t q = q0; q < q1; q++) {
+                    const int64_t it = 2 * q;  // (one matrix's pairs: its first item)
+                    const int two = p->w2 || it + 1 < items;
+                    const uint32_t* panel = panels + (q - q0) * 2 * n * 8;
+                    float* part = parts + (q - q0) * 32 * 32;  // the pair's sums between chunks
+                    if (kc == 0) {
+                        _tile_zero(0);
+                        _tile_zero(1);
+                        _tile_zero(2);
+                        _tile_zero(3);
+                    } else {
+                        _tile_loadd(0, part, 128);
+                        _tile_loadd(2, part + 16 * 32, 128);
+                        if (two) {
+                            _tile_loadd(1, part + 16, 128);
+                            _tile_loadd(3, part + 16 * 32 + 16, 128);
+                        }
+                    }
+                    for (int64_t k = kc; k < kend; k += 32) {  // 32 values of K: 16 panel rows
+                        _tile_loadd(4, x0 + k, n * 2);
+                        _tile_loadd(5, x0 + 16 * n + k, n * 2);
+                        _tile_loadd(6, panel + k * 8, 64);
+                        _tile_dpbf16ps(0, 4, 6);
+                        _tile_dpbf16ps(2, 5, 6);
+                        if (two) {
+                            _tile_loadd(7, panel + n * 8 + k * 8, 64);
+                            _tile_dpbf16ps(1, 4, 7);
+                            _tile_dpbf16ps(3, 5, 7);
+                        }
+                    }
+                    float* to = kend < n ? part : sums;
+                    _tile_stored(0, to, 128);
+                    _tile_stored(2, to + 16 * 32, 128);
                     if (two) {
-                        _tile_loadd(7, panel + n * 8 + k * 8, 64);
-                        _tile_dpbf16ps(1, 4, 7);
-                        _tile_dpbf16ps(3, 5, 7);
+                        _tile_stored(1, to + 16, 128);
+                        _tile_stored(3, to + 16 * 32 + 16, 128);
+                    }
+                    if (kend < n) continue;
+                    if (p->w2) {
+                        bf16_gated_rows(p, sums, i0, q);
+                        continue;
+                    }
+                    const int64_t o0 = it * LANES, width = p->out - o0 < 32 ? p->out - o0 : 32;
+                    const __mmask16 lo = width >= 16 ? 0xFFFF : (__mmask16)((1u << width) - 1);
+                    const __mmask16 hi = width >= 32 ? 0xFFFF : width <= 16 ? 0 : (__mmask16)((1u << (width - 16)) - 1);
+                    for (int64_t i = i0; i < p->m && i < i0 + 32; i++) {
+                        _mm512_mask_storeu_ps(p->y + i * p->ldy + o0, lo, _mm512_load_ps(sums + (i - i0) * 32));
+                        if (hi) _mm512_mask_storeu_ps(p->y + i * p->ldy + o0 + 16, hi, _mm512_load_ps(sums + (i - i0) * 32 + 16));
                     }
                 }
-                _tile_stored(0, sums, 128);
-                _tile_stored(2, sums + 16 * 32, 128);
-                if (two) {
-                    _tile_stored(1, sums + 16, 128);
-                    _tile_stored(3, sums + 16 * 32 + 16, 128);
-                }
-                if (p->w2) {
-                    bf16_gated_rows(p, sums, i0, q);
-                    continue;
-                }
-                const int64_t o0 = it * LANES, width = p->out - o0 < 32 ? p->out - o0 : 32;
-                const __mmask16 lo = width >= 16 ? 0xFFFF : (__mmask16)((1u << width) - 1);
-                const __mmask16 hi = width >= 32 ? 0xFFFF : width <= 16 ? 0 : (__mmask16)((1u << (width - 16)) - 1);
-                for (int64_t i = i0; i < p->m && i < i0 + 32; i++) {
-                    _mm512_mask_storeu_ps(p->y + i * p->ldy + o0, lo, _mm512_load_ps(sums + (i - i0) * 32));
-                    if (hi) _mm512_mask_storeu_ps(p->y + i * p->ldy + o0 + 16, hi, _mm512_load_ps(sums + (i - i0) * 32 + 16));
-                }
             }
-        }
     }
     _tile_release();
     free(panels);
+    free(parts);
 }
 
 // Pairs a work item takes: up to 4, their panels within about 1 MB (a core's L2 holds them and a block
