@@ -13,12 +13,14 @@
 // the 16 rows' codes, lane r of every 64-byte register holding 4 codes of row r. Every weight is
 // scale·(code − off) + min with an unsigned code (0..255), so one vpdpbusd multiplies 4 codes of each of
 // 16 rows with 4 codes of x broadcast to all lanes, and lane r ends as row r's sum: no horizontal sums.
+// (Q6_K's codes are stored less their offset, signed, as the AMX tiles take them; the vpdpbusd roads add
+// it back. Q8_0's stay unsigned: adding it back to every register cost its one-row products 10%.)
 //
 //   codes as 4-bit (Q4_0, Q4_1, Q4_K): register k (0..3) holds bytes 4k..4k+3 of each row's 16 bytes,
 //   byte j = code j | code j + 16 << 4; as 5-bit (Q5_0, Q5_K): the same of their low 4 bits, then one
 //   register more whose lane r has bit j set where row r's code j has its fifth (a decode step reads
-//   0.69 bytes a Q5_0 weight, not the 1.06 of 8-bit codes); as 8-bit (Q8_0 + 128, Q6_K): register k holds
-//   codes 4k..4k+3.
+//   0.69 bytes a Q5_0 weight, not the 1.06 of 8-bit codes); as 8-bit (Q8_0 + 128, Q6_K − 32 as signed
+//   bytes): register k holds codes 4k..4k+3.
 //
 // The groups go in super-blocks of G: a head with the G groups' scales (and mins), then their codes, each
 // part in whole 64-byte lines. The scales are kept as the source has them, not as float32 (which read a
@@ -60,18 +62,25 @@
 typedef struct {
     int S;        // values per sub-block (one group)
     int nibble;   // codes stored as 4-bit (1), or as 4-bit plus a plane of their fifth bits (2)
-    int off;      // weight = scale·(code − off) + min; 0 wherever there is a min (amx_rows and NIBBLE_OFF count on it)
+    int off;      // weight = scale·(code − off) + min; 0 wherever there is a min (CODE_OFF says the same)
     int has_min;  // a per-sub-block min
     int G;        // groups per super-block
     int kq;       // scales as int8 per group times a float per super-block (K-quants); else float16 per group
+    int less_off; // 8-bit codes stored less off, as signed bytes (Q6_K: LESS_OFF)
 } Layout;
 
 // By quant.c's source format id (its enum): F32, F16, BF16 have no interleaved form
 static const Layout LAYOUTS[] = {
     [KVLAB_Q8_0] = {32, 0, 128, 0, 2, 0}, [KVLAB_Q4_0] = {32, 1, 8, 0, 2, 0}, [KVLAB_Q4_1] = {32, 1, 0, 1, 2, 0},
     [KVLAB_Q5_0] = {32, 2, 16, 0, 2, 0},  [KVLAB_Q4_K] = {32, 1, 0, 1, 8, 1}, [KVLAB_Q5_K] = {32, 2, 0, 1, 8, 1},
-    [KVLAB_Q6_K] = {16, 0, 32, 0, 16, 1},
+    [KVLAB_Q6_K] = {16, 0, 32, 0, 16, 1, 1},
 };
+
+// A layout's off as a constant, from the kernels' constants (NIB: 4-bit codes, 2 with fifth bits; NW: code
+// registers a group, 4 for Q6_K's 16 values; MIN): what the kernels' code for one layout adds or takes away
+#define CODE_OFF(NIB, NW, MIN) ((MIN) ? 0 : (NIB) == 2 ? 16 : (NIB) ? 8 : (NW) == 4 ? 32 : 128)
+// Stored less off, as signed bytes: Q6_K's 8-bit codes (Layout.less_off)
+#define LESS_OFF(NIB, NW) (!(NIB) && (NW) == 4)
 
 static int layout(int fmt, Layout* l) {
     if (fmt < KVLAB_Q8_0 || fmt > KVLAB_Q6_K) return -1;
@@ -232,7 +241,7 @@ int kvlab_i8_repack(int fmt, const uint8_t* w, int64_t ldw, int64_t rows, int64_
                 for (int k = 0; k < regs; k++)  // register k, lane `lane`: 4 bytes
                     for (int t = 0; t < 4; t++) {
                         const int j = 4 * k + t;
-                        g[64 * k + 4 * lane + t] = l.nibble ? (uint8_t)((c[j] & 15) | (c[j + 16] & 15) << 4) : c[j];
+                        g[64 * k + 4 * lane + t] = l.nibble ? (uint8_t)((c[j] & 15) | (c[j + 16] & 15) << 4) : (uint8_t)(c[j] - l.less_off * l.off);
                     }
                 for (int j = 0; l.nibble == 2 && j < l.S; j++)  // the plane: lane's bit j, code j's fifth
                     g[64 * regs + 4 * lane + j / 8] |= (uint8_t)((c[j] >> 4 & 1) << (j % 8));
@@ -531,6 +540,8 @@ static inline __attribute__((always_inline)) void item_rows(const Product* p, co
             nibble_codes(g, NIB, 0, w);
         } else {
             for (int k = 0; k < NW; k++) w[k] = _mm512_loadu_si512(g + 64 * k);
+            if (LESS_OFF(NIB, NW))  // unsigned again
+                for (int k = 0; k < NW; k++) w[k] = _mm512_add_epi8(w[k], _mm512_set1_epi8((char)CODE_OFF(NIB, NW, MIN)));
         }
         __m512i s[8];
         for (int i = 0; i < M; i++) s[i] = _mm512_set1_epi32(xs[i].neg_off);
@@ -616,8 +627,8 @@ static void amx_configure(const Layout* l) {
 }
 
 // Tile T (0-3) gets a group's sums: activations into tile A, codes (64 bytes a row) into B. SIGNED: the
-// codes less their offset (4-bit codes, split_group), so that the sums need nothing added; else as stored,
-// 0..255 (8-bit codes)
+// codes less their offset (4-bit ones from split_group, Q6_K's as stored), so that the sums are the
+// integers the vpdpbusd roads make from −off·sum(q) with nothing added; else Q8_0's, 0..255
 #define AMX_PRODUCT(T, A, B, xs, codes, SIGNED)                \
     do {                                                       \
         _tile_zero(T);                                         \
@@ -626,9 +637,7 @@ static void amx_configure(const Layout* l) {
         if (SIGNED) _tile_dpbssd(T, A, B);                     \
         else _tile_dpbsud(T, A, B);                            \
     } while (0)
-
-// A 4-bit layout's code offset, as a constant: Q4_0's 8, Q5_0's 16, none where there is a min
-#define NIBBLE_OFF(NIB, MIN) ((MIN) ? 0 : (NIB) == 2 ? 16 : 8)
+#define AMX_SIGNED(NIB, NW) ((NIB) || LESS_OFF(NIB, NW))
 
 // A group's 4-bit codes (NIB 2: with their fifth bits) as 8-bit tile rows: rows 0-3 the low halves
 // (codes 0..15), rows 4-7 the high ones (16..31); signed, less the layout's offset OFF (nibble_codes)
@@ -641,7 +650,7 @@ static inline __attribute__((always_inline)) void split_group(const uint8_t* cod
 
 // Groups b0 .. b0 + 3 (those there are) of an item through the tiles, their sums into tiles 0-3
 static inline __attribute__((always_inline)) void amx_sums(const Product* p, const uint8_t* item, int64_t i0,
-                                                           int64_t b0, const int NIB, const int MIN, const int G, const int HB,
+                                                           int64_t b0, const int NIB, const int NW, const int MIN, const int G, const int HB,
                                                            const int CB, uint8_t (*split)[8 * 64],
                                                            const uint8_t* whole) {
     const int nb = p->groups - b0 < AMX_GROUPS ? (int)(p->groups - b0) : AMX_GROUPS;
@@ -654,15 +663,15 @@ static inline __attribute__((always_inline)) void amx_sums(const Product* p, con
         if (NIB && whole) {  // the item's codes, split once for all its rows (split_codes)
             codes[j] = whole + b * 8 * 64;
         } else if (NIB) {
-            split_group(codes[j], split[j], NIB, NIBBLE_OFF(NIB, MIN));
+            split_group(codes[j], split[j], NIB, CODE_OFF(NIB, 8, MIN));
             codes[j] = split[j];
         }
     }
     const XBlock* xs = p->xq + b0 * p->m + i0;
-    AMX_PRODUCT(0, 4, 6, xs, codes[0], NIB);
-    if (nb > 1) AMX_PRODUCT(1, 5, 7, xs + p->m, codes[1], NIB);
-    if (nb > 2) AMX_PRODUCT(2, 4, 6, xs + 2 * p->m, codes[2], NIB);
-    if (nb > 3) AMX_PRODUCT(3, 5, 7, xs + 3 * p->m, codes[3], NIB);
+    AMX_PRODUCT(0, 4, 6, xs, codes[0], AMX_SIGNED(NIB, NW));
+    if (nb > 1) AMX_PRODUCT(1, 5, 7, xs + p->m, codes[1], AMX_SIGNED(NIB, NW));
+    if (nb > 2) AMX_PRODUCT(2, 4, 6, xs + 2 * p->m, codes[2], AMX_SIGNED(NIB, NW));
+    if (nb > 3) AMX_PRODUCT(3, 5, 7, xs + 3 * p->m, codes[3], AMX_SIGNED(NIB, NW));
 }
 
 // The sums of amx_sums' nb groups out of tiles 0-3
@@ -682,7 +691,7 @@ static inline __attribute__((always_inline)) void amx_rows(const Product* p, con
     uint8_t split[2][AMX_GROUPS][8 * 64] __attribute__((aligned(64)));  // 4-bit codes as 8-bit tile rows
     __m512 a[AMX_M];  // in registers: acc is memory the tiles' stores could alias
     for (int i = 0; i < AMX_M; i++) a[i] = _mm512_setzero_ps();
-    amx_sums(p, item, i0, 0, NIB, MIN, G, HB, CB, split[0], whole);
+    amx_sums(p, item, i0, 0, NIB, NW, MIN, G, HB, CB, split[0], whole);
     amx_store(p->groups < AMX_GROUPS ? (int)p->groups : AMX_GROUPS, sums[0]);
     for (int64_t b0 = 0, set = 0; b0 < p->groups; b0 += AMX_GROUPS, set ^= 1) {
         // the next set's products, then this set's scaling, then the next set's stores (stores before
@@ -690,7 +699,7 @@ static inline __attribute__((always_inline)) void amx_rows(const Product* p, con
         // products on one thread, gate/up 4.91 -> 4.45 ms, q/k/v 1.68 -> 1.58, o 0.96 -> 0.91, down
         // unchanged; the scaling and the tiles' work alone take about half each)
         const int64_t next = b0 + AMX_GROUPS;
-        if (next < p->groups) amx_sums(p, item, i0, next, NIB, MIN, G, HB, CB, split[set ^ 1], whole);
+        if (next < p->groups) amx_sums(p, item, i0, next, NIB, NW, MIN, G, HB, CB, split[set ^ 1], whole);
         const int nb = p->groups - b0 < AMX_GROUPS ? (int)(p->groups - b0) : AMX_GROUPS;
         for (int j = 0; j < nb; j++) {
             const int64_t b = b0 + j;
@@ -702,11 +711,11 @@ static inline __attribute__((always_inline)) void amx_rows(const Product* p, con
             const __m512 scale = group_scales(head, gi, G, MIN, KQ, &min);
 #pragma GCC unroll 16
             for (int i = 0; i < AMX_M; i++) {
-                // nothing to add where the codes have no offset (a format with mins: off 0) or went in less
-                // it (4-bit codes, split_group): at 16 rows on one thread, SmolLM2's Q4_1 gate and up 160 ->
-                // 150 us, Qwen2.5-Coder-0.5B's Q5_0 ones 700 -> 655 us
+                // nothing to add where the codes have no offset (MIN) or went in less it (at 16 rows on
+                // one thread, SmolLM2's Q4_1 gate and up 160 -> 150 us, Qwen2.5-Coder-0.5B's Q5_0 ones
+                // 700 -> 655 us, its Q6_K down projection 585 -> 550 us)
                 const __m512i sum = _mm512_load_si512(sj + LANES * i);
-                const __m512i s = MIN || NIB ? sum : _mm512_add_epi32(sum, _mm512_set1_epi32(x[i].neg_off));
+                const __m512i s = MIN || AMX_SIGNED(NIB, NW) ? sum : _mm512_add_epi32(sum, _mm512_set1_epi32(x[i].neg_off));
                 a[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(scale, _mm512_set1_ps(x[i].dx)), a[i]);
                 if (MIN) a[i] = _mm512_fmadd_ps(min, _mm512_set1_ps(x[i].dx_sum), a[i]);
             }
@@ -734,10 +743,10 @@ static void split_codes(const Layout* l, const uint8_t* item, int64_t groups, ui
     const int G = GROUPS_PER_SUPER(1, 8, l->kq), HB = (int)head_bytes(l), CB = (int)code_bytes(l);
     for (int64_t b = 0; b < groups; b++) {
         const uint8_t* g = item + b / G * (HB + G * CB) + HB + (b % G) * CB;
-        if (l->nibble == 2 && l->has_min) split_group(g, out + b * 512, 2, NIBBLE_OFF(2, 1));
-        else if (l->nibble == 2) split_group(g, out + b * 512, 2, NIBBLE_OFF(2, 0));
-        else if (l->has_min) split_group(g, out + b * 512, 1, NIBBLE_OFF(1, 1));
-        else split_group(g, out + b * 512, 1, NIBBLE_OFF(1, 0));
+        if (l->nibble == 2 && l->has_min) split_group(g, out + b * 512, 2, CODE_OFF(2, 8, 1));
+        else if (l->nibble == 2) split_group(g, out + b * 512, 2, CODE_OFF(2, 8, 0));
+        else if (l->has_min) split_group(g, out + b * 512, 1, CODE_OFF(1, 8, 1));
+        else split_group(g, out + b * 512, 1, CODE_OFF(1, 8, 0));
     }
 }
 
@@ -783,8 +792,8 @@ static void panel_of(const Layout* l, const uint8_t* item, int64_t groups, uint3
         __m512i w[8];  // register k, lane r: codes 4k .. 4k + 3 of row r, a byte each
         const int regs = l->nibble ? 8 : l->S / 4;
         if (l->nibble) nibble_codes(g, l->nibble, 0, w);
-        else
-            for (int k = 0; k < regs; k++) w[k] = _mm512_loadu_si512(g + 64 * k);
+        else  // (Q6_K's: unsigned again)
+            for (int k = 0; k < regs; k++) w[k] = _mm512_add_epi8(_mm512_loadu_si512(g + 64 * k), _mm512_set1_epi8((char)(l->less_off * l->off)));
         __m512 v[32];  // value j of the group, lane r: output row r's
         for (int k = 0; k < regs; k++)
             for (int t = 0; t < 4; t++) v[4 * k + t] = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(w[k], 8 * t), byte));
@@ -1050,6 +1059,8 @@ static inline __attribute__((always_inline)) void half_rows(const Product* p, co
                 } else {
                     w[hh] = _mm256_loadu_si256((const __m256i*)(g + 64 * k + 32 * h));
                     if (SIGNED) w[hh] = _mm256_xor_si256(w[hh], flip);  // the code − 128: Q8_0's own q
+                    if (LESS_OFF(NIB, NW))  // Q6_K's, unsigned again
+                        w[hh] = _mm256_add_epi8(w[hh], _mm256_set1_epi8((char)CODE_OFF(NIB, NW, MIN)));
                 }
                 wabs[hh] = SIGNED ? _mm256_abs_epi8(w[hh]) : w[hh];
             }
@@ -1173,7 +1184,7 @@ static void items(void* ctx, uint32_t begin, uint32_t end) {
                             if (nib)
                                 isum += ((c & 15) | (plane >> j & 1) << 4) * xq[j] +
                                         ((c >> 4) | (plane >> (16 + j) & 1) << 4) * xq[16 + j];
-                            else isum += c * xq[j];
+                            else isum += (p->l.less_off ? (int8_t)c + p->l.off : c) * xq[j];  // (unsigned again)
                         }
                     float min;
                     const float scale = lane_scale(&p->l, head, gi, r, &min);
