@@ -713,7 +713,7 @@ static inline __attribute__((always_inline)) void amx_rows(const Product* p, con
             for (int i = 0; i < AMX_M; i++) {
                 // nothing to add where the codes have no offset (MIN) or went in less it (at 16 rows on
                 // one thread, SmolLM2's Q4_1 gate and up 160 -> 150 us, Qwen2.5-Coder-0.5B's Q5_0 ones
-                // 700 -> 655 us, its Q6_K down projection 585 -> 550 us)
+                // 690-700 -> 632-650 us, its Q6_K down projection 585-600 -> 556-563 us)
                 const __m512i sum = _mm512_load_si512(sj + LANES * i);
                 const __m512i s = MIN || AMX_SIGNED(NIB, NW) ? sum : _mm512_add_epi32(sum, _mm512_set1_epi32(x[i].neg_off));
                 a[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(scale, _mm512_set1_ps(x[i].dx)), a[i]);
