@@ -85,6 +85,9 @@ static const Layout LAYOUTS[] = {
 static int layout(int fmt, Layout* l) {
     if (fmt < KVLAB_Q8_0 || fmt > KVLAB_Q6_K) return -1;
     *l = LAYOUTS[fmt];
+    const int nw = l->nibble ? 8 : l->S / 4;  // the kernels' NW
+    // the kernels take off and less_off as constants from these macros: a layout they disagree with is refused
+    if (l->off != CODE_OFF(l->nibble, nw, l->has_min) || l->less_off != LESS_OFF(l->nibble, nw)) return -1;
     return 0;
 }
 
