@@ -248,9 +248,11 @@ def test_greedy_tokens_fused_and_through_the_modules_agree(model, k, v, rotation
     paths' measured difference: a tie at the precision they share. Each path computes its own K and V,
     an ulp apart here and there (libm's exp and tanh against PyTorch's vectorised ones, sums in other
     orders), and a quantized cache can round one of them to the next code: the drift grows slowly (about
-    1e-5 to 5e-4 over 30 steps of the tiny Gemma with rotated q8_0 keys; 1.6e-3 by step 22 with rotated
-    fp8_e4m3 keys and values, each code flip a step up; measured), and is bounded here, so a real
-    difference between the paths (1e-2 and more) still fails."""
+    1e-5 to 5e-4 over 30 steps of the tiny Gemma with rotated q8_0 keys; with rotated fp8_e4m3 keys and
+    values, each code flip a step up, 1.6e-3 by step 22 on an Intel Xeon, 2.3e-3 by the last of 32 tokens
+    on an AMD EPYC, whose libm and vector widths differ; measured), and is bounded here at 5e-3, so that a
+    real difference between the paths (1e-2 and more) still fails: fp8 codes rounded half an ulp low in
+    decode.c's encoder fail 7 of the 8 fp8 cases."""
     batch = prompts(5, seed=1) + [prompts(1, seed=1)[0] + [7, 8, 9]]  # the last one shares a prefix
     calls = []
     run = CpuDecodeBackend.run
@@ -261,7 +263,7 @@ def test_greedy_tokens_fused_and_through_the_modules_agree(model, k, v, rotation
     for a, b in zip(fused_logits, plain_logits):
         assert a.shape == b.shape  # the same batch in the same step, while the tokens are the same
         drift = (a - b).abs().max().item()
-        assert drift <= 2e-3 * max(b.abs().max().item(), 1.0)
+        assert drift <= 5e-3 * max(b.abs().max().item(), 1.0)
         flipped = a.argmax(-1) != b.argmax(-1)
         if flipped.any():
             best = b[flipped].topk(2, dim=-1).values
