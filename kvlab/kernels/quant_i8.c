@@ -58,6 +58,14 @@
 #define LANES 16  // output rows per item
 #define MTILE 8   // activation rows per pass over an item's groups
 #define CHUNK 4   // items claimed at a time at one activation row: fewer at more rows (claim_size)
+// How far on a thread asks for the matrix, into L2, while its first pass over an item computes: the
+// hardware's prefetch alone leaves the products waiting for memory. On an AMD EPYC (Zen 4) VM, 2
+// threads, weights from memory: at 16 rows Qwen2.5-Coder-0.5B's Q5_0 gate 402-455 -> 281-286 us, its
+// Q6_K down 479-573 -> 365-382, its Q8_0 LM head 9.8-10.1 ms (11.3 asking two items on into L1, for
+// matrices over 16 MB only, as before) -> 8.0-8.1; at 2 and 8 rows the gate 182 -> 110 and 335 -> 170;
+// at one row equal (Q5_0) or better (Q6_K 132-168 -> 118-122). 8 KB on into L1, or 32-64 KB into L2,
+// were slower. (On the Xeon this was tried at the LM head only, into L1, two items on: 12.1 -> 10.5 ms.)
+#define AHEAD (16 << 10)
 
 typedef struct {
     int S;        // values per sub-block (one group)
@@ -465,7 +473,6 @@ typedef struct {
     const XBlock* xq;  // [m, groups]
     float* y;
     int64_t m, groups, ldy, out;
-    int64_t ahead;  // bytes from an item to the one its first pass asks for meanwhile (0: none; see ahead_bytes)
     int amx;        // 16 rows at a time on AMX tiles (where built, granted and m ≥ 16)
     int64_t begin, end;  // the rows this pass computes (of the m the activations hold)
 } Product;
@@ -535,9 +542,9 @@ static inline __attribute__((always_inline)) void item_rows(const Product* p, co
         const uint8_t* head = item + b / G * (HB + G * CB);
         const uint8_t* g = head + HB + gi * CB;
         const XBlock* xs = p->xq + b * p->m + i0;
-        if (p->ahead && i0 == p->begin)  // an item further on, its lines spread over this item's groups
+        if (i0 == p->begin)  // the bytes AHEAD on, into L2, spread over this item's groups
             for (int64_t line = b * ib / p->groups / 64 * 64; line < (b + 1) * ib / p->groups; line += 64)
-                _mm_prefetch((const char*)item + p->ahead + line, _MM_HINT_T0);
+                _mm_prefetch((const char*)item + AHEAD + line, _MM_HINT_T1);
         __m512i w[8];
         if (NIB) {
             nibble_codes(g, NIB, 0, w);
@@ -1200,15 +1207,6 @@ static void items(void* ctx, uint32_t begin, uint32_t end) {
 }
 #endif
 
-// Many rows against a matrix far larger than the caches (an LM head: 145 MB of Q8_0 for Qwen2.5's): each
-// item takes long enough that the hardware's prefetch falls behind the stream, so the first pass over an
-// item asks for the one two items on (16 rows of 151,936 x 896 Q8_0: 12.1 -> 10.5 ms; 8 rows 9.1 -> 5.7).
-// Smaller matrices, or a few rows, stream well without: none asked.
-static int64_t ahead_bytes(const Layout* l, int64_t m, int64_t groups, int64_t out) {
-    const int64_t ib = item_bytes(l, groups);
-    return m >= 4 && (out + LANES - 1) / LANES * ib > (16 << 20) ? 2 * ib : 0;
-}
-
 // Whether the rows go 16 at a time on AMX tiles: built for them, the OS's leave, and 16 rows or more
 static int tiles_for(int64_t m) {
 #if defined(AMX)
@@ -1285,7 +1283,7 @@ int kvlab_i8_matmul(int fmt, const uint8_t* w, const float* x, float* y, int64_t
     quantize_rows(x, m, n, &l, xq, threads);
     const int64_t step = pass_rows(m, groups);
     for (int64_t i = 0; i < m; i += step) {
-        Product p = {l, w, xq, y, m, groups, ldy, out, ahead_bytes(&l, m, groups, out), tiles_for(m), i,
+        Product p = {l, w, xq, y, m, groups, ldy, out, tiles_for(m), i,
                      m - i < step ? m : i + step};
         const uint32_t num_items = (uint32_t)((out + LANES - 1) / LANES);
         kvlab_pool_run(items, &p, num_items, claim_size(m, num_items, threads), threads);
@@ -1341,8 +1339,7 @@ int kvlab_i8_matmul_parts(int num, const int* fmt, const uint8_t* const* w, cons
             quantize_rows(x, m, n, &l[j], xq[j], threads);
             shared = xq[j];
         }
-        p[j] = (Product){l[j], w[j], shared, y + column, m, groups, ldy, out[j], ahead_bytes(&l[j], m, groups, out[j]),
-                           tiles_for(m), 0, m};
+        p[j] = (Product){l[j], w[j], shared, y + column, m, groups, ldy, out[j], tiles_for(m), 0, m};
         jobs.task[j] = items, jobs.ctx[j] = &p[j];
         jobs.first[j + 1] = jobs.first[j] + (uint32_t)((out[j] + LANES - 1) / LANES);
         column += out[j];
