@@ -64,7 +64,8 @@
 // Q6_K down 479-573 -> 365-382, its Q8_0 LM head 9.8-10.1 ms (11.3 asking two items on into L1, for
 // matrices over 16 MB only, as before) -> 8.0-8.1; at 2 and 8 rows the gate 182 -> 110 and 335 -> 170;
 // at one row equal (Q5_0) or better (Q6_K 132-168 -> 118-122). 8 KB on into L1, or 32-64 KB into L2,
-// were slower. (On the Xeon this was tried at the LM head only, into L1, two items on: 12.1 -> 10.5 ms.)
+// were slower. (The old way had taken the Xeon's LM head at 8 rows 9.1 -> 5.7 ms; the new one was not
+// measured there, where 16 rows and more go through the AMX tiles with AMX_AHEAD instead.)
 #define AHEAD (16 << 10)
 
 typedef struct {
