@@ -536,7 +536,8 @@ static inline __attribute__((always_inline)) void item_rows(const Product* p, co
                                                             const int M, const int NIB, const int NW, const int MIN,
                                                             const int KQ, __m512* acc) {
     const int G = GROUPS_PER_SUPER(NIB, NW, KQ), HB = HEAD_BYTES(KQ, G, MIN), CB = CODE_BYTES(NIB, NW);
-    for (int i = 0; i < M; i++) acc[i] = _mm512_setzero_ps();
+    __m512 a[MTILE];  // in registers: GCC stored acc's every update (acc might alias the loads)
+    for (int i = 0; i < M; i++) a[i] = _mm512_setzero_ps();
     const int64_t ib = p->groups / G * (HB + G * CB) + (p->groups % G ? HB + p->groups % G * CB : 0);
     for (int64_t b = 0; b < p->groups; b++) {
         const int gi = (int)(b % G);
@@ -565,10 +566,11 @@ static inline __attribute__((always_inline)) void item_rows(const Product* p, co
 #pragma GCC unroll 8
         for (int i = 0; i < M; i++) {
             const XBlock* x = xs + i;
-            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[i]), _mm512_mul_ps(scale, _mm512_set1_ps(x->dx)), acc[i]);
-            if (MIN) acc[i] = _mm512_fmadd_ps(min, _mm512_set1_ps(x->dx_sum), acc[i]);
+            a[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[i]), _mm512_mul_ps(scale, _mm512_set1_ps(x->dx)), a[i]);
+            if (MIN) a[i] = _mm512_fmadd_ps(min, _mm512_set1_ps(x->dx_sum), a[i]);
         }
     }
+    for (int i = 0; i < M; i++) acc[i] = a[i];
 }
 
 #define LAYOUT_ROWS(M)                                                                             \
