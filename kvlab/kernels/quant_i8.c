@@ -532,9 +532,42 @@ static inline __attribute__((always_inline)) __m512 group_scales(const uint8_t* 
     return int8_times16(head + SCALE_AT(KQ, gi), d);
 }
 
+// A group's 4-bit codes (NIB 2: with their fifth bits) as nibble_codes makes them, stored: rows 0-3 the
+// low halves (codes 0..15), rows 4-7 the high ones (16..31), less the layout's offset OFF (0: unsigned)
+static inline __attribute__((always_inline)) void split_group(const uint8_t* codes, uint8_t* out, const int NIB,
+                                                              const int OFF) {
+    __m512i w[8];
+    nibble_codes(codes, NIB, OFF, w);
+    for (int k = 0; k < 8; k++) _mm512_store_si512(out + 64 * k, w[k]);
+}
+
+// Every group of a 4-bit item split (split_group) into out, 512 bytes a group: once for an item that many
+// blocks of rows read, rather than per block. SIGNED: less the layout's offset (the AMX tiles' codes);
+// else unsigned, as item_rows splits them.
+static void split_codes(const Layout* l, const uint8_t* item, int64_t groups, uint8_t* out, const int SIGNED) {
+    const int G = GROUPS_PER_SUPER(1, 8, l->kq), HB = (int)head_bytes(l), CB = (int)code_bytes(l);
+    for (int64_t b = 0; b < groups; b++) {
+        const uint8_t* g = item + b / G * (HB + G * CB) + HB + (b % G) * CB;
+        if (!SIGNED && l->nibble == 2) split_group(g, out + b * 512, 2, 0);
+        else if (!SIGNED) split_group(g, out + b * 512, 1, 0);
+        else if (l->nibble == 2 && l->has_min) split_group(g, out + b * 512, 2, CODE_OFF(2, 8, 1));
+        else if (l->nibble == 2) split_group(g, out + b * 512, 2, CODE_OFF(2, 8, 0));
+        else if (l->has_min) split_group(g, out + b * 512, 1, CODE_OFF(1, 8, 1));
+        else split_group(g, out + b * 512, 1, CODE_OFF(1, 8, 0));
+    }
+}
+
+// Rows from which a 4-bit item's codes are split once for all of them (split_codes): on the AMX tiles, and
+// for vpdpbusd's blocks of MTILE rows where the codes are 5-bit. There, on a Zen 4 core, one thread, 512
+// rows: Qwen2.5-Coder-0.5B's Q5_0 gate (4,864 x 896) 15.4-15.6 -> 14.1-14.2 ms; the same at 16 rows, and
+// at 896 x 4864 (its 76 KB of split codes in L2). 4-bit codes split per block are cheaper than their
+// loads: SmolLM2's Q4_1 gate/up and Qwen's Q4_K down 2-3% and 5-10% slower split once, 7% at 16 rows.
+#define SPLIT_ONCE 32
+#define SPLIT_ONCE_VNNI 32
+
 static inline __attribute__((always_inline)) void item_rows(const Product* p, const uint8_t* item, int64_t i0,
                                                             const int M, const int NIB, const int NW, const int MIN,
-                                                            const int KQ, __m512* acc) {
+                                                            const int KQ, const uint8_t* whole, __m512* acc) {
     const int G = GROUPS_PER_SUPER(NIB, NW, KQ), HB = HEAD_BYTES(KQ, G, MIN), CB = CODE_BYTES(NIB, NW);
     __m512 a[MTILE];  // in registers: GCC stored acc's every update (acc might alias the loads)
     for (int i = 0; i < M; i++) a[i] = _mm512_setzero_ps();
@@ -548,7 +581,9 @@ static inline __attribute__((always_inline)) void item_rows(const Product* p, co
             for (int64_t line = b * ib / p->groups / 64 * 64; line < (b + 1) * ib / p->groups; line += 64)
                 _mm_prefetch((const char*)item + AHEAD + line, _MM_HINT_T1);
         __m512i w[8];
-        if (NIB) {
+        if (NIB && whole) {  // split once for all the item's rows (split_codes)
+            for (int k = 0; k < 8; k++) w[k] = _mm512_load_si512(whole + b * 512 + 64 * k);
+        } else if (NIB) {
             nibble_codes(g, NIB, 0, w);
         } else {
             for (int k = 0; k < NW; k++) w[k] = _mm512_loadu_si512(g + 64 * k);
@@ -573,17 +608,17 @@ static inline __attribute__((always_inline)) void item_rows(const Product* p, co
     for (int i = 0; i < M; i++) acc[i] = a[i];
 }
 
-#define LAYOUT_ROWS(M)                                                                             \
-    static void rows_##M(const Product* p, const uint8_t* item, int64_t i0, __m512* acc) {          \
-        const Layout* l = &p->l;                                                                   \
-        if (l->nibble == 2 && l->kq) item_rows(p, item, i0, M, 2, 8, 1, 1, acc);                   \
-        else if (l->nibble == 2) item_rows(p, item, i0, M, 2, 8, 0, 0, acc);                       \
-        else if (l->nibble && l->kq) item_rows(p, item, i0, M, 1, 8, 1, 1, acc);                   \
-        else if (l->nibble && l->has_min) item_rows(p, item, i0, M, 1, 8, 1, 0, acc);              \
-        else if (l->nibble) item_rows(p, item, i0, M, 1, 8, 0, 0, acc);                            \
-        else if (l->S == 16) item_rows(p, item, i0, M, 0, 4, 0, 1, acc);                           \
-        else if (l->has_min) item_rows(p, item, i0, M, 0, 8, 1, 1, acc);                           \
-        else item_rows(p, item, i0, M, 0, 8, 0, 0, acc);                                           \
+#define LAYOUT_ROWS(M)                                                                                          \
+    static void rows_##M(const Product* p, const uint8_t* item, int64_t i0, const uint8_t* whole, __m512* acc) { \
+        const Layout* l = &p->l;                                                                                \
+        if (l->nibble == 2 && l->kq) item_rows(p, item, i0, M, 2, 8, 1, 1, whole, acc);                         \
+        else if (l->nibble == 2) item_rows(p, item, i0, M, 2, 8, 0, 0, whole, acc);                             \
+        else if (l->nibble && l->kq) item_rows(p, item, i0, M, 1, 8, 1, 1, whole, acc);                         \
+        else if (l->nibble && l->has_min) item_rows(p, item, i0, M, 1, 8, 1, 0, whole, acc);                    \
+        else if (l->nibble) item_rows(p, item, i0, M, 1, 8, 0, 0, whole, acc);                                  \
+        else if (l->S == 16) item_rows(p, item, i0, M, 0, 4, 0, 1, NULL, acc);                                  \
+        else if (l->has_min) item_rows(p, item, i0, M, 0, 8, 1, 1, NULL, acc);                                  \
+        else item_rows(p, item, i0, M, 0, 8, 0, 0, NULL, acc);                                                  \
     }
 LAYOUT_ROWS(1)
 LAYOUT_ROWS(2)
@@ -593,7 +628,7 @@ LAYOUT_ROWS(5)
 LAYOUT_ROWS(6)
 LAYOUT_ROWS(7)
 LAYOUT_ROWS(8)
-static void (*const ROWS_OF[MTILE])(const Product*, const uint8_t*, int64_t, __m512*) = {
+static void (*const ROWS_OF[MTILE])(const Product*, const uint8_t*, int64_t, const uint8_t*, __m512*) = {
     rows_1, rows_2, rows_3, rows_4, rows_5, rows_6, rows_7, rows_8};
 
 #if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__linux__)
@@ -612,7 +647,6 @@ static void (*const ROWS_OF[MTILE])(const Product*, const uint8_t*, int64_t, __m
 // (Qwen2.5-Coder-0.5B's products at 16 rows, a decode step's: 50.2 -> 43.4 ms; 8 or 16 KB on, or into
 // L1: 47-50)
 #define AMX_AHEAD 4096
-#define SPLIT_ONCE 32  // rows from which a 4-bit item's codes are split once for all of them
 
 static int amx_granted = -1;  // -1: not asked yet; the OS's leave to use the tiles' 8 KB of state
 
@@ -651,15 +685,6 @@ static void amx_configure(const Layout* l) {
         else _tile_dpbsud(T, A, B);                            \
     } while (0)
 #define AMX_SIGNED(NIB, NW) ((NIB) || LESS_OFF(NIB, NW))
-
-// A group's 4-bit codes (NIB 2: with their fifth bits) as 8-bit tile rows: rows 0-3 the low halves
-// (codes 0..15), rows 4-7 the high ones (16..31); signed, less the layout's offset OFF (nibble_codes)
-static inline __attribute__((always_inline)) void split_group(const uint8_t* codes, uint8_t* out, const int NIB,
-                                                              const int OFF) {
-    __m512i w[8];
-    nibble_codes(codes, NIB, OFF, w);
-    for (int k = 0; k < 8; k++) _mm512_store_si512(out + 64 * k, w[k]);
-}
 
 // Groups b0 .. b0 + 3 (those there are) of an item through the tiles, their sums into tiles 0-3
 static inline __attribute__((always_inline)) void amx_sums(const Product* p, const uint8_t* item, int64_t i0,
@@ -748,19 +773,6 @@ static void amx_item(const Product* p, const uint8_t* item, int64_t i0, const ui
     else if (l->S == 16) amx_rows(p, item, i0, 0, 4, 0, 1, NULL, acc);
     else if (l->has_min) amx_rows(p, item, i0, 0, 8, 1, 1, NULL, acc);
     else amx_rows(p, item, i0, 0, 8, 0, 0, NULL, acc);
-}
-
-// Every group of a 4-bit item split (split_group) into out, 512 bytes a group: once for an item that
-// many 16-row blocks read, rather than per block just before its tile loads
-static void split_codes(const Layout* l, const uint8_t* item, int64_t groups, uint8_t* out) {
-    const int G = GROUPS_PER_SUPER(1, 8, l->kq), HB = (int)head_bytes(l), CB = (int)code_bytes(l);
-    for (int64_t b = 0; b < groups; b++) {
-        const uint8_t* g = item + b / G * (HB + G * CB) + HB + (b % G) * CB;
-        if (l->nibble == 2 && l->has_min) split_group(g, out + b * 512, 2, CODE_OFF(2, 8, 1));
-        else if (l->nibble == 2) split_group(g, out + b * 512, 2, CODE_OFF(2, 8, 0));
-        else if (l->has_min) split_group(g, out + b * 512, 1, CODE_OFF(1, 8, 1));
-        else split_group(g, out + b * 512, 1, CODE_OFF(1, 8, 0));
-    }
 }
 
 #if defined(__AMX_BF16__) && defined(__AVX512BF16__)
@@ -993,17 +1005,21 @@ static uint16_t* bf16_activations(const float* x, int64_t m, int64_t n, int thre
 static void items(void* ctx, uint32_t begin, uint32_t end) {
     const Product* p = ctx;
     const int64_t ib = item_bytes(&p->l, p->groups);
+    int amx = 0;
 #if defined(AMX)
-    if (p->amx) amx_configure(&p->l);  // a thread's own tiles, set for this call's format
-    uint8_t* whole = p->amx && p->l.nibble && p->end - p->begin >= SPLIT_ONCE ? aligned_alloc(64, p->groups * 512) : NULL;
+    if ((amx = p->amx)) amx_configure(&p->l);  // a thread's own tiles, set for this call's format
 #endif
+    // a 4-bit item's codes split once for all its rows: signed for the tiles, unsigned for vpdpbusd (only
+    // 5-bit ones: see SPLIT_ONCE_VNNI)
+    const int split = amx ? p->l.nibble && p->end - p->begin >= SPLIT_ONCE : p->l.nibble == 2 && p->end - p->begin >= SPLIT_ONCE_VNNI;
+    uint8_t* whole = split ? aligned_alloc(64, p->groups * 512) : NULL;
     for (int64_t it = begin; it < end; it++) {
         const int64_t o0 = it * LANES;
         const __mmask16 keep = p->out - o0 >= LANES ? 0xFFFF : (__mmask16)((1u << (p->out - o0)) - 1);
         int64_t i = p->begin;
+        if (whole) split_codes(&p->l, p->w + it * ib, p->groups, whole, amx);
 #if defined(AMX)
-        if (whole) split_codes(&p->l, p->w + it * ib, p->groups, whole);
-        for (; p->amx && p->end - i >= AMX_M; i += AMX_M) {
+        for (; amx && p->end - i >= AMX_M; i += AMX_M) {
             __m512 acc[AMX_M];
             amx_item(p, p->w + it * ib, i, whole, acc);
             for (int k = 0; k < AMX_M; k++) _mm512_mask_storeu_ps(p->y + (i + k) * p->ldy + o0, keep, acc[k]);
@@ -1012,14 +1028,14 @@ static void items(void* ctx, uint32_t begin, uint32_t end) {
         for (; i < p->end; i += MTILE) {
             __m512 acc[MTILE];
             const int M = p->end - i < MTILE ? (int)(p->end - i) : MTILE;
-            ROWS_OF[M - 1](p, p->w + it * ib, i, acc);
+            ROWS_OF[M - 1](p, p->w + it * ib, i, amx ? NULL : whole, acc);
             for (int k = 0; k < M; k++) _mm512_mask_storeu_ps(p->y + (i + k) * p->ldy + o0, keep, acc[k]);
         }
     }
 #if defined(AMX)
-    if (p->amx) _tile_release();
-    free(whole);
+    if (amx) _tile_release();
 #endif
+    free(whole);
 }
 #elif defined(DOT2)
 // AVX2 has no vpdpbusd: vpmaddubsw multiplies codes by x in pairs into 16-bit sums, which add up in 16
