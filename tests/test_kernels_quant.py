@@ -26,7 +26,7 @@ from quant_blocks import FP16_FIELDS, oracle, random_blocks
 needs_kernel = pytest.mark.skipif(not quant.available(), reason="no C compiler: the reference dequantization serves")
 
 QUANTIZED = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q4_K", "Q5_K", "Q6_K"]
-ROWS = [1, 2, 3, 8, 16, 17, 32]
+ROWS = [1, 2, 3, 8, 16, 17, 32, 40, 72]  # 40, 72: more than one pass over the blocks (32 or 64 rows)
 
 
 def odd_shapes(fmt: str) -> list[tuple[int, int]]:
@@ -58,7 +58,7 @@ def activations(rows: int, in_features: int, seed: int) -> torch.Tensor:
 @needs_kernel
 @pytest.mark.parametrize("fmt", QUANTIZED)
 def test_products_of_random_blocks_match_gguf_dequantize_then_float64(fmt):
-    for out, n in odd_shapes(fmt):
+    for out, n in odd_shapes(fmt) + [(67, 1280)]:  # 1,280 inputs: AVX-512's passes take 32 rows there, not 64
         blocks = random_blocks(fmt, out, n, seed=out)
         w = oracle(fmt, blocks, n)
         for rows in ROWS:
@@ -96,16 +96,19 @@ def test_plain_rows_go_through_the_same_entry_point(fmt):
 
 @needs_kernel
 @pytest.mark.parametrize("fmt", QUANTIZED + ["F16"])
-def test_results_are_bit_identical_at_any_thread_count_and_batch(fmt):
+@pytest.mark.parametrize("wide", [False, True])
+def test_results_are_bit_identical_at_any_thread_count_and_batch(fmt, wide):
     """Each output value is one thread's sum in one fixed order: the same bits on 1, 2 or 3 threads, and
-    the same bits for a row alone as inside a batch of 16 or 40 (the one-row and many-row paths agree)."""
+    the same bits for a row alone as inside a batch of 16, 40 or 72 (the one-row and many-row paths
+    agree), with few inputs and with many (over 1,024: AVX-512's passes take 64 rows, or 32)."""
     out, n = odd_shapes(fmt)[1] if fmt != "F16" else (67, 288)
+    n = 1280 if wide else n
     part = packed(fmt, random_blocks(fmt, out, n, seed=9), n) if fmt != "F16" else plain(fmt, activations(out, n, 9))
-    x = activations(40, n, seed=11)  # more rows than one pass over the blocks takes (32)
+    x = activations(72, n, seed=11)  # more rows than one pass over the blocks takes
     one = quant.packed_linear(x, [part], out, threads=1)
     for threads in (2, 3):
         assert torch.equal(quant.packed_linear(x, [part], out, threads=threads), one), threads
-    for rows in (1, 2, 3, 4, 5, 6, 7, 8, 16, 17, 32):
+    for rows in (1, 2, 3, 4, 5, 6, 7, 8, 16, 17, 32, 33, 40, 64):
         assert torch.equal(quant.packed_linear(x[:rows], [part], out, threads=2), one[:rows]), rows
 
 
@@ -281,7 +284,7 @@ def test_portable_build_gives_the_same_numbers(portable, fmt):
 
 @needs_kernel
 @pytest.mark.parametrize("interleave", [False, True])
-@pytest.mark.parametrize("m", [1, 3, 16, 32, 33])
+@pytest.mark.parametrize("m", [1, 3, 16, 32, 33, 65])
 def test_a_fused_matrix_in_one_dispatch_gives_each_parts_bits_alone(interleave, m):
     """q, k and v (or gate and up) as one job of the pool (kvlab_quant_matmul_parts): each part's columns
     are the bits its own call gives, on 1 or 2 threads; two parts quantizing x alike share it (int8)."""
