@@ -46,10 +46,12 @@ def stats(xs: list[float]) -> dict:
 
 
 POLICY = ThreadPolicy()  # every engine of the run: --threads, --gemv-max-rows (set in main)
+KV_CACHE_DTYPE = ["auto"]  # every engine's KV cache format: --kv-cache-dtype (set in main)
 
 
 def engine(loaded, **options) -> LLMEngine:
-    return LLMEngine(loaded, None, EngineConfig(kv_memory_bytes=2**30, **options), policy=POLICY)
+    config = EngineConfig(kv_memory_bytes=2**30, kv_cache_dtype=KV_CACHE_DTYPE[0], **options)
+    return LLMEngine(loaded, None, config, policy=POLICY)
 
 
 def batching(loaded, repeat: int, requests: int, prompt_len: int, output_len: int) -> dict:
@@ -164,10 +166,12 @@ def main() -> int:
                     help="try another crossover between the GEMV kernel and BLAS (max_kernel_rows) for this run")  # fmt: skip
     ap.add_argument("--activation-quant", choices=["int8"],
                     help="kvlab's 8-bit activations over the GGUF blocks (opt-in; `kvlab quality` measures them)")  # fmt: skip
+    ap.add_argument("--kv-cache-dtype", default="auto", help="the KV cache's format, as `kvlab serve` takes it")
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     POLICY.threads = args.threads
+    KV_CACHE_DTYPE[0] = args.kv_cache_dtype
     if args.gemv_max_rows is not None:
         POLICY.max_kernel_rows = args.gemv_max_rows
     loaded = load_model(args.model, dtype=args.dtype)
@@ -181,6 +185,7 @@ def main() -> int:
         "model": args.model,
         "dtype": args.dtype,
         "activation_quant": args.activation_quant,
+        "kv_cache_dtype": args.kv_cache_dtype,
         "gemv_max_rows": POLICY.max_kernel_rows,
     }
     if "batching" not in args.skip:
@@ -204,7 +209,8 @@ def print_table(r: dict) -> None:
 
     m = r["machine"]
     acts = f", {r['activation_quant']} activations" if r.get("activation_quant") else ""
-    print(f"\n{r['model']} {r['dtype']}{acts}, {m['threads']} threads, torch {m['torch']}, commit {m['commit']}")
+    kv = f", KV cache {r['kv_cache_dtype']}" if r.get("kv_cache_dtype", "auto") != "auto" else ""
+    print(f"\n{r['model']} {r['dtype']}{acts}{kv}, {m['threads']} threads, torch {m['torch']}, commit {m['commit']}")
     if "batching" in r:
         b = r["batching"]
         print(f"  concurrent output tok/s   {cell(b['concurrent_tok_s'])}")
