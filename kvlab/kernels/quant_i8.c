@@ -1011,7 +1011,8 @@ static void items(void* ctx, uint32_t begin, uint32_t end) {
 #endif
     // a 4-bit item's codes split once for all its rows: signed for the tiles, unsigned for vpdpbusd (only
     // 5-bit ones: see SPLIT_ONCE_VNNI)
-    const int split = amx ? p->l.nibble && p->end - p->begin >= SPLIT_ONCE : p->l.nibble == 2 && p->end - p->begin >= SPLIT_ONCE_VNNI;
+    const int64_t rows = p->end - p->begin;
+    const int split = amx ? p->l.nibble && rows >= SPLIT_ONCE : p->l.nibble == 2 && rows >= SPLIT_ONCE_VNNI;
     uint8_t* whole = split ? aligned_alloc(64, p->groups * 512) : NULL;
     for (int64_t it = begin; it < end; it++) {
         const int64_t o0 = it * LANES;
