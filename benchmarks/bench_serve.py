@@ -46,12 +46,11 @@ def stats(xs: list[float]) -> dict:
 
 
 POLICY = ThreadPolicy()  # every engine of the run: --threads, --gemv-max-rows (set in main)
-KV_CACHE_DTYPE = ["auto"]  # every engine's KV cache format: --kv-cache-dtype (set in main)
+ENGINE_OPTIONS = {"kv_memory_bytes": 2**30}  # every engine's: --kv-cache-dtype (set in main)
 
 
 def engine(loaded, **options) -> LLMEngine:
-    config = EngineConfig(kv_memory_bytes=2**30, kv_cache_dtype=KV_CACHE_DTYPE[0], **options)
-    return LLMEngine(loaded, None, config, policy=POLICY)
+    return LLMEngine(loaded, None, EngineConfig(**ENGINE_OPTIONS, **options), policy=POLICY)
 
 
 def batching(loaded, repeat: int, requests: int, prompt_len: int, output_len: int) -> dict:
@@ -171,7 +170,7 @@ def main() -> int:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     POLICY.threads = args.threads
-    KV_CACHE_DTYPE[0] = args.kv_cache_dtype
+    ENGINE_OPTIONS["kv_cache_dtype"] = args.kv_cache_dtype
     if args.gemv_max_rows is not None:
         POLICY.max_kernel_rows = args.gemv_max_rows
     loaded = load_model(args.model, dtype=args.dtype)

@@ -558,12 +558,11 @@ static void split_codes(const Layout* l, const uint8_t* item, int64_t groups, ui
 }
 
 // Rows from which a 4-bit item's codes are split once for all of them (split_codes): on the AMX tiles, and
-// for vpdpbusd's blocks of MTILE rows where the codes are 5-bit. There, on a Zen 4 core, one thread, 512
+// for vpdpbusd's blocks of MTILE rows where the codes are 5-bit. For vpdpbusd, on a Zen 4 core, one thread, 512
 // rows: Qwen2.5-Coder-0.5B's Q5_0 gate (4,864 x 896) 15.4-15.6 -> 14.1-14.2 ms; the same at 16 rows, and
 // at 896 x 4864 (its 76 KB of split codes in L2). 4-bit codes split per block are cheaper than their
 // loads: SmolLM2's Q4_1 gate/up and Qwen's Q4_K down 2-3% and 5-10% slower split once, 7% at 16 rows.
 #define SPLIT_ONCE 32
-#define SPLIT_ONCE_VNNI 32
 
 static inline __attribute__((always_inline)) void item_rows(const Product* p, const uint8_t* item, int64_t i0,
                                                             const int M, const int NIB, const int NW, const int MIN,
@@ -1010,9 +1009,8 @@ static void items(void* ctx, uint32_t begin, uint32_t end) {
     if ((amx = p->amx)) amx_configure(&p->l);  // a thread's own tiles, set for this call's format
 #endif
     // a 4-bit item's codes split once for all its rows: signed for the tiles, unsigned for vpdpbusd (only
-    // 5-bit ones: see SPLIT_ONCE_VNNI)
-    const int64_t rows = p->end - p->begin;
-    const int split = amx ? p->l.nibble && rows >= SPLIT_ONCE : p->l.nibble == 2 && rows >= SPLIT_ONCE_VNNI;
+    // 5-bit ones there: see SPLIT_ONCE)
+    const int split = (amx ? p->l.nibble : p->l.nibble == 2) && p->end - p->begin >= SPLIT_ONCE;
     uint8_t* whole = split ? aligned_alloc(64, p->groups * 512) : NULL;
     for (int64_t it = begin; it < end; it++) {
         const int64_t o0 = it * LANES;
