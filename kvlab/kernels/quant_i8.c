@@ -1050,7 +1050,6 @@ static void items(void* ctx, uint32_t begin, uint32_t end) {
 // one thread, a 1,024 x 1,024 matrix in cache: Q5_0 at 16 rows 294 -> 239 us, at 8 147 -> 134; Q5_K at 16
 // 316 -> 265. 4-bit codes gain nothing split once (Q4_1 at 16 rows 244 -> 247 us, at 8 122 -> 134).
 #define SPLIT_HALVES 8
-#define SPLIT_NIBBLES(nib) ((nib) == 2)
 
 static inline __m256 int8_times8(const uint8_t* sc, const float* d) {  // 8 int8 as floats, times d lane by lane
     const __m128i q = _mm_loadl_epi64((const __m128i*)sc);
@@ -1174,7 +1173,7 @@ static const HalfRows HALF_ROWS_OF[MT2] = {half_rows_1, half_rows_2, half_rows_3
 // one-row products of a decode step stream from memory without a second pass over every item.
 static const HalfRows BOTH_HALVES_OF[2] = {both_halves_1, both_halves_2};
 
-// Every group of a 4-bit item, its codes as half_rows makes them (bytes, the fifth bits in place), into out:
+// Every group of a 5-bit item, its codes as half_rows makes them (bytes, the fifth bits in place), into out:
 // 512 bytes a group, register k of half h at 64k + 32h. Once for an item that SPLIT_HALVES rows or more read.
 static void split_halves(const Layout* l, const uint8_t* item, int64_t groups, uint8_t* out) {
     const int G = GROUPS_PER_SUPER(1, 8, l->kq), HB = (int)head_bytes(l), CB = (int)code_bytes(l);
@@ -1194,7 +1193,7 @@ static void split_halves(const Layout* l, const uint8_t* item, int64_t groups, u
 static void items(void* ctx, uint32_t begin, uint32_t end) {
     const Product* p = ctx;
     const int64_t ib = item_bytes(&p->l, p->groups);
-    const int split = SPLIT_NIBBLES(p->l.nibble) && p->end - p->begin >= SPLIT_HALVES;
+    const int split = p->l.nibble == 2 && p->end - p->begin >= SPLIT_HALVES;  // 5-bit codes only (SPLIT_HALVES)
     uint8_t* whole = split ? aligned_alloc(64, p->groups * 512) : NULL;
     for (int64_t it = begin; it < end; it++) {
         const int64_t o0 = it * LANES;
