@@ -187,7 +187,7 @@ static inline void eight_slots(const KVStore* s, const int64_t* table, int64_t t
 // step with it took 0.96x at 16 sequences over 32 keys, 0.91-0.96x over 64, 0.85-0.93x over 128 and
 // 0.92x at 4 over 256, and 1.02x at 4 over 64: so from 512 keys in all. One sequence was 8-13% slower
 // with it over 64 keys, even over 512, and over 1,024 0.94-0.96x with float32 keys but 1.05x with
-// 16-bit ones: one sequence keeps the form without it.
+// 16-bit ones: one sequence keeps the form without it there (AHEAD_ONE).
 static inline __attribute__((always_inline)) void attend(void* ctx, uint32_t begin, uint32_t end, const int AHEAD) {
     const Attend* a = ctx;
     const Layer* L = a->layer;
@@ -340,6 +340,15 @@ static void attend_ahead(void* ctx, uint32_t begin, uint32_t end) { attend(ctx, 
 static void attend_in_cache(void* ctx, uint32_t begin, uint32_t end) { attend(ctx, begin, end, 0); }
 
 #define AHEAD_KEYS 512  // a step's sequences × keys from which it asks for rows ahead (attend)
+// One sequence asks ahead as well where a vector holds 8 floats (AVX2): on an AMD EPYC Zen 3 VM, 2 threads,
+// a one-sequence SmolLM2 step (int8) after 520 keys 9.1-9.5 -> 7.8-8.8 ms, after 600 9.4-10.5 -> 8.5-8.9,
+// after 1,500 10.0-11.4 -> 9.7-10.2; Qwen2.5-Coder-0.5B's after 1,500 26.8-28.5 -> 25.6-27.0; exact
+// SmolLM2 after 960 equal. (On the AVX-512 machine of the rule above, one sequence was slower with it.)
+#if defined(__AVX512F__)
+#define AHEAD_ONE 0
+#else
+#define AHEAD_ONE 1
+#endif
 
 void kvlab_decode_attention(const Layer* L, const Step* S, const float* qkv, float* out, float* scores, float* partial,
                             int threads) {
@@ -355,7 +364,7 @@ void kvlab_decode_attention(const Layer* L, const Step* S, const float* qkv, flo
         parts = L->kv_heads * split;
     }
     Attend a = {L, S, qkv, out, scores, partial, chunks, parts, per_part};
-    const int ahead = S->batch > 1 && S->batch * S->max_keys >= AHEAD_KEYS;
+    const int ahead = (S->batch > 1 || AHEAD_ONE) && S->batch * S->max_keys >= AHEAD_KEYS;
     kvlab_pool_run(ahead ? attend_ahead : attend_in_cache, &a, (uint32_t)(pairs * parts), 1, threads);
     merge(&a);
 }
