@@ -1064,6 +1064,13 @@ static inline __m256i with_fifth_bits8(__m256i w, __m256i plane, int k) {
     return _mm256_or_si256(w, _mm256_slli_epi16(_mm256_min_epu8(bits, _mm256_set1_epi8(1)), 4));  // 16 where set
 }
 
+// Code register k of half h of a 4-bit group g (NIB 2: with its fifth bits): lane r's 4 codes as bytes
+static inline __attribute__((always_inline)) __m256i half_codes(const uint8_t* g, int k, int h, const int NIB) {
+    const __m256i v = _mm256_loadu_si256((const __m256i*)(g + 64 * (k % 4) + 32 * h));
+    const __m256i w = _mm256_and_si256(k < 4 ? v : _mm256_srli_epi16(v, 4), _mm256_set1_epi8(15));
+    return NIB == 2 ? with_fifth_bits8(w, _mm256_loadu_si256((const __m256i*)(g + 256 + 32 * h)), k) : w;
+}
+
 static inline __attribute__((always_inline)) void half_rows(const Product* p, const uint8_t* item, int64_t i0,
                                                             const int M, const int H, int h0, const int NIB,
                                                             const int NW, const int MIN, const int KQ,
@@ -1071,7 +1078,7 @@ static inline __attribute__((always_inline)) void half_rows(const Product* p, co
                                                             __m256* acc) {
     const int G = GROUPS_PER_SUPER(NIB, NW, KQ), HB = HEAD_BYTES(KQ, G, MIN), CB = CODE_BYTES(NIB, NW);
     const int U = M * H;  // (half, row) pairs: pair u is row u % M of half h0 + u / M
-    const __m256i low4 = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8((char)0x80);
+    const __m256i ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8((char)0x80);
     __m256 a[MT2];  // in registers: acc is memory the code loads could alias
     for (int u = 0; u < U; u++) a[u] = _mm256_setzero_ps();
     for (int64_t b = 0; b < p->groups; b++) {
@@ -1089,9 +1096,7 @@ static inline __attribute__((always_inline)) void half_rows(const Product* p, co
                 if (NIB && whole) {  // split once for all the item's rows (split_halves)
                     w[hh] = _mm256_load_si256((const __m256i*)(whole + b * 512 + 64 * k + 32 * h));
                 } else if (NIB) {
-                    const __m256i v = _mm256_loadu_si256((const __m256i*)(g + 64 * (k % 4) + 32 * h));
-                    w[hh] = _mm256_and_si256(k < 4 ? v : _mm256_srli_epi16(v, 4), low4);
-                    if (NIB == 2) w[hh] = with_fifth_bits8(w[hh], _mm256_loadu_si256((const __m256i*)(g + 256 + 32 * h)), k);
+                    w[hh] = half_codes(g, k, h, NIB);
                 } else {
                     w[hh] = _mm256_loadu_si256((const __m256i*)(g + 64 * k + 32 * h));
                     if (SIGNED) w[hh] = _mm256_xor_si256(w[hh], flip);  // the code − 128: Q8_0's own q
@@ -1173,20 +1178,14 @@ static const HalfRows HALF_ROWS_OF[MT2] = {half_rows_1, half_rows_2, half_rows_3
 // one-row products of a decode step stream from memory without a second pass over every item.
 static const HalfRows BOTH_HALVES_OF[2] = {both_halves_1, both_halves_2};
 
-// Every group of a 5-bit item, its codes as half_rows makes them (bytes, the fifth bits in place), into out:
-// 512 bytes a group, register k of half h at 64k + 32h. Once for an item that SPLIT_HALVES rows or more read.
+// Every group of a 5-bit item, its codes as half_rows makes them (half_codes), into out: 512 bytes a group,
+// register k of half h at 64k + 32h. Once for an item that SPLIT_HALVES rows or more read.
 static void split_halves(const Layout* l, const uint8_t* item, int64_t groups, uint8_t* out) {
     const int G = GROUPS_PER_SUPER(1, 8, l->kq), HB = (int)head_bytes(l), CB = (int)code_bytes(l);
-    const __m256i low4 = _mm256_set1_epi8(15);
     for (int64_t b = 0; b < groups; b++) {
         const uint8_t* g = item + b / G * (HB + G * CB) + HB + (b % G) * CB;
         for (int k = 0; k < 8; k++)
-            for (int h = 0; h < 2; h++) {
-                const __m256i v = _mm256_loadu_si256((const __m256i*)(g + 64 * (k % 4) + 32 * h));
-                __m256i w = _mm256_and_si256(k < 4 ? v : _mm256_srli_epi16(v, 4), low4);
-                if (l->nibble == 2) w = with_fifth_bits8(w, _mm256_loadu_si256((const __m256i*)(g + 256 + 32 * h)), k);
-                _mm256_store_si256((__m256i*)(out + b * 512 + 64 * k + 32 * h), w);
-            }
+            for (int h = 0; h < 2; h++) _mm256_store_si256((__m256i*)(out + b * 512 + 64 * k + 32 * h), half_codes(g, k, h, 2));
     }
 }
 
