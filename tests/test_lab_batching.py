@@ -15,7 +15,8 @@ import pytest
 
 from kvlab.lab import batching
 from kvlab.lab.common import Lab, Timing
-from kvlab.lab.report import ratio, verdict_text
+from kvlab.kv.paged import PagedKVCache
+from kvlab.lab.report import num, pct, ratio, verdict_text
 from kvlab.model.loader import load_model
 
 
@@ -43,8 +44,18 @@ def test_engine_decode_steps_are_b_one_token_rows_on_the_engine_path(lab):
     backend = choose_decode_path(lab.model).backend is not None
     assert data["decode_path"].startswith("decode on ")
     assert all(p["backend_steps"] == (p["timed_steps"] if backend else 0) for p in steps), (data["decode_path"], steps)
+    # what each step read and multiplied: the weights a decode step streams, the sequences' K/V, B tokens' products
+    assert data["bandwidth_gb_s"] > 0
+    weights, macs = lab.loaded.decode_weight_bytes(), sum(lab.model.matmul_macs_per_token())
+    per_token = PagedKVCache.bytes_per_token_for(lab.config, lab.model.dtype)
+    for p in steps:
+        median = p["step"]["median_s"]
+        assert p["read_bytes"] - weights >= p["sequences"] * batching.QUICK_DECODE_CONTEXT * per_token  # K/V
+        assert p["read_gb_s"] == pytest.approx(p["read_bytes"] / median / 1e9)
+        assert p["gmac_s"] == pytest.approx(p["sequences"] * macs / median / 1e9)
     table = batching.table(data)
     assert "ms per engine step" in table and "seed" in table and "ms per pass" in table
+    assert "GB/s read" in table and "A plain sum reads" in table
     assert verdict_text(batching, data, quick=True).startswith("Not judged (quick run)")
 
 
@@ -89,8 +100,9 @@ def test_verdict_follows_injected_step_times(lab, monkeypatch, per_extra_sequenc
     assert verdict_text(batching, data, quick=True).startswith("Not judged (quick run)")
 
 
-def point(b: int, ms: float, one_ms: float, pure: bool = True) -> dict:
-    return asdict(batching.decode_step_point(b, Timing.of([ms / 1e3]), 8, 32, 32, pure, one_ms / 1e3))
+def point(b: int, ms: float, one_ms: float, pure: bool = True, read_mb: float = 0, macs_per_token: int = 0) -> dict:
+    return asdict(batching.decode_step_point(b, Timing.of([ms / 1e3]), 8, 32, 32, pure, one_ms / 1e3,
+                                             int(read_mb * 1e6), b * macs_per_token))  # fmt: skip
 
 
 def test_verdict_needs_pure_decode_steps_and_a_ten_sequence_point():
@@ -103,3 +115,31 @@ def test_verdict_needs_pure_decode_steps_and_a_ten_sequence_point():
     seed = [point(1, batching.SEED_ONE_MS, 28), point(10, batching.SEED_TEN_MS, 28), point(16, 80, 28)]
     text = batching.verdict({**base, "decode_steps": seed})
     assert text.startswith("Held:") and "at 16 sequences 2.9×" in text and "≤ 2.5×" in text
+
+
+@pytest.mark.parametrize(
+    "one_ms, reason",
+    [
+        (3.0, "waits on memory"),  # 100 MB in 3 ms: 33 GB/s, 83% of the 40 a plain sum reads
+        (10.0, "goes to arithmetic"),  # 100 MB in 10 ms: 10 GB/s, 25%: the step's time is not the read
+    ],
+)
+def test_verdict_says_why_from_the_read_rate_against_the_bandwidth(one_ms, reason):
+    """The 1-sequence step's read rate against a plain sum's says whether a step waits on memory (batching
+    rides on its read) or on arithmetic (each sequence adds its own); the rates are the points' own."""
+    macs = 135_000_000
+    steps = [point(1, one_ms, one_ms, read_mb=100, macs_per_token=macs),
+             point(10, 3 * one_ms, one_ms, read_mb=110, macs_per_token=macs),
+             point(16, 5 * one_ms, one_ms, read_mb=116, macs_per_token=macs)]  # fmt: skip
+    data = {"passes": [], "sequences": [], "decode_path": "decode on c-step", "decode_steps": steps,
+            "bandwidth_gb_s": 40.0}  # fmt: skip
+    text = batching.verdict(data)
+    assert text.startswith("Partly held:") and "Why: one sequence's step read 100 MB" in text, text
+    assert reason in text
+    assert f"at {num(100 / one_ms)} GB/s, {pct(100 / one_ms / 40)} of the 40.0 GB/s" in text  # rate, share
+    assert "3.2× one sequence's" in text  # 16 sequences' products: 16 / 5 of one's rate
+    assert ("waits on memory" in text) != ("goes to arithmetic" in text)
+    # results saved before the rates were measured: the verdict and the table as they were
+    old = {**data, "decode_steps": [point(1, one_ms, one_ms), point(10, 3 * one_ms, one_ms)]}
+    del old["bandwidth_gb_s"]
+    assert "Why" not in batching.verdict(old) and "GB/s read" not in batching.table(old)

@@ -6,7 +6,10 @@
    backend where the model takes it (kvlab/backends: each layer one C call), else the modules. Every
    timed step is checked to be exactly B one-token decodes, and which path ran it is counted. The
    verdict compares the 10-sequence step with the 1-sequence step, as the seed did (28 ms for one
-   token, 52 ms for ten: 1.9×).
+   token, 52 ms for ten: 1.9×), and says why the numbers came out so: each step's bytes read (the
+   weights it streams, every sequence's K/V) and multiply-adds, as rates, against the read bandwidth a
+   plain sum gets here (the roofline experiment's probe). Batching is nearly free only for a step that
+   waits on memory; one whose read takes a small part of its time pays for each sequence's arithmetic.
 2. One forward over 1, 2, 4, 8, 16, 32 new tokens of one sequence (from an empty cache): a prompt
    chunk's cost per token, for comparison.
 3. N sequences decoding together through the modules (one contiguous cache with batch_size=N, one
@@ -20,7 +23,8 @@ from dataclasses import dataclass, field
 import torch
 
 from kvlab.lab.common import Lab, Timing, forward, greedy
-from kvlab.lab.report import faster, held, md_table, num, ratio, spread
+from kvlab.lab.report import faster, held, md_table, num, pct, ratio, spread
+from kvlab.lab.roofline import measure_bandwidth
 from kvlab.lab.sources import BLOG_POST
 
 NAME = "batching"
@@ -36,6 +40,8 @@ SEED_SEQUENCES = 10
 SEED_RATIO = SEED_TEN_MS / SEED_ONE_MS  # 1.86: the 10-sequence step ÷ the 1-sequence step
 NOISE = 0.15  # a ratio this much above the seed's is still within this machine's run-to-run noise
 ISSUE_TARGET = (16, 2.5)  # issue 30: a 16-sequence step ≤ 2.5× a 1-sequence step
+# a 1-sequence step reading at this share of the bandwidth or more waits on memory: batching rides on its read
+MEMORY_BOUND = 0.5
 
 TOKENS = (1, 2, 4, 8, 16, 32)
 SEQUENCES, QUICK_SEQUENCES = (1, 2, 4, 8, 16), (1, 2, 4)
@@ -58,6 +64,9 @@ class DecodeStepPoint:
     timed_steps: int  # steps the runs took, warm-up included
     backend_steps: int  # of those, steps the decode backend ran (the rest: the modules)
     pure_decode: bool  # every one was exactly B one-token decode rows, no prompt chunk among them
+    read_bytes: int = 0  # a step's reads: the weights one decode step streams, and every sequence's K/V
+    read_gb_s: float = 0.0  # read_bytes ÷ the median step, 1e9 bytes a second (0: not known)
+    gmac_s: float = 0.0  # B × the matrices' multiply-adds per token ÷ the median step, in 1e9 a second
 
 
 @dataclass
@@ -88,6 +97,7 @@ class BatchingResult:
     decode_steps: list[DecodeStepPoint] = field(default_factory=list)  # the serving engine's steps (part 1)
     decode_path: str = ""  # the engine's decode path as it describes it ("decode on c-step", or why not)
     decode_context: int = 0  # prompt tokens of each sequence when the timed steps start
+    bandwidth_gb_s: float = 0.0  # a plain sum's read rate on this machine (roofline's probe; 0: not measured)
 
 
 @torch.inference_mode()
@@ -96,7 +106,10 @@ def run(lab: Lab) -> BatchingResult:
     batches = QUICK_DECODE_BATCHES if lab.quick else DECODE_BATCHES
     context = QUICK_DECODE_CONTEXT if lab.quick else DECODE_CONTEXT
     result = BatchingResult([], [], decode_context=context)
-    bar = lab.progress(len(batches) + len(TOKENS) + len(counts), NAME)
+    bar = lab.progress(1 + len(batches) + len(TOKENS) + len(counts), NAME)
+    bar.set_postfix_str("read bandwidth")
+    result.bandwidth_gb_s = measure_bandwidth(lab).gb_s
+    bar.update(result)
     engine = decode_engine(lab, max(batches), context)
     result.decode_path = engine.decode_path.describe()
     for b in batches:
@@ -199,24 +212,36 @@ def time_decode_steps(lab: Lab, engine, batch: int, context: int, one_s: float |
         for _ in range(steps):
             engine.step()
 
+    def cached_tokens() -> int:  # K/V rows the running sequences' next step reads
+        return sum(r.num_tokens for r in scheduler.running)
+
     driver._fused_step, scheduler.schedule = counted_fused_step, checked_schedule
     try:
+        before = cached_tokens()
         timing = lab.measure(run)
+        tokens = (before + cached_tokens()) / 2  # the runs' middle: the average step's keys
     finally:
         driver._fused_step, scheduler.schedule = fused_step, schedule
         for rid in ids:
             if engine.has_request(rid):
                 engine.abort_request(rid)
+    from kvlab.kv.paged import PagedKVCache
+
+    per_token = PagedKVCache.bytes_per_token_for(lab.config, lab.model.dtype)  # every layer's K and V (decode_engine's)
+    read = lab.loaded.decode_weight_bytes() + int(tokens * per_token)
+    macs = batch * sum(lab.model.matmul_macs_per_token())  # the matrices' multiply-adds of B tokens
     return decode_step_point(batch, Timing.of([s / steps for s in timing.samples_s]), steps, seen["steps"],
-                             seen["backend"], seen["pure"], one_s)  # fmt: skip
+                             seen["backend"], seen["pure"], one_s, read, macs)  # fmt: skip
 
 
 def decode_step_point(batch: int, step: Timing, steps_per_run: int, timed: int, backend: int, pure: bool,
-                      one_s: float | None = None) -> DecodeStepPoint:
-    """A point from its step timing; `one_s`: the 1-sequence step's median (None: this is that step)."""
+                      one_s: float | None = None, read_bytes: int = 0, macs: int = 0) -> DecodeStepPoint:
+    """A point from its step timing; `one_s`: the 1-sequence step's median (None: this is that step);
+    `read_bytes` and `macs`: what one step reads and multiplies (0: not known)."""
     one = step.median_s if one_s is None else one_s
     return DecodeStepPoint(batch, step, batch / step.median_s, step.median_s * 1e3 / batch, step.median_s / one,
-                           steps_per_run, timed, backend, pure)  # fmt: skip
+                           steps_per_run, timed, backend, pure, read_bytes, read_bytes / step.median_s / 1e9,
+                           macs / step.median_s / 1e9)  # fmt: skip
 
 
 def decode_sequences(lab: Lab, n: int) -> SequencePoint:
@@ -257,7 +282,15 @@ def table(data: dict) -> str:
         rows.append([f"seed ({SOURCE.short})", seed, "", "", ratio(SEED_RATIO), "", ""])
         head = ["sequences (one token each)", "ms per engine step (min–max)", "ms per token", "tok/s",
                 "step cost vs 1 sequence", "steps on the backend", "pure decode steps"]  # fmt: skip
+        if all(p.get("read_gb_s") for p in data["decode_steps"]):  # results from before the rates lack them
+            head += ["MB read a step", "GB/s read", "G MAC/s"]
+            for row, p in zip(rows, data["decode_steps"]):
+                row += [num(p["read_bytes"] / 1e6), num(p["read_gb_s"]), num(p["gmac_s"])]
         parts.append(md_table(head, rows))
+        if data.get("bandwidth_gb_s"):
+            parts[-1] += (f"\n\nA plain sum reads {num(data['bandwidth_gb_s'])} GB/s here. A step reads the "
+                          "weights it streams and every sequence's K/V; G MAC/s counts the matrices' "
+                          "multiply-adds (B × those of one token).")  # fmt: skip
     parts.append(md_table(
         ["tokens in the pass", "ms per pass (min–max)", "ms per token", "pass cost vs 1 token"],
         [[num(p["tokens"]), spread(p["timing"]), num(p["ms_per_token"]), ratio(p["relative_cost"])]
@@ -312,4 +345,27 @@ def verdict(data: dict) -> str:
         text += f"; at {n} sequences {ratio(big['relative_cost'])} (issue 30's target ≤ {ratio(target)})"
     if not (ten["pure_decode"] and one["pure_decode"]):
         text += "; some timed steps were not pure decode steps, so the ratio is not judged"
-    return text + (f"; {chunk}." if chunk else ".")
+    text += f"; {chunk}." if chunk else "."
+    reason = why(data)
+    return f"{text} {reason}" if reason else text
+
+
+def why(data: dict) -> str:
+    """Why the steps cost what they did, from the 1-sequence step's read rate against the machine's
+    bandwidth: a step that waits on memory carries more sequences on the same read; one whose read is a
+    small part of its time pays for each sequence's multiply-adds. "" where the rates were not measured."""
+    steps, bandwidth = data.get("decode_steps") or [], data.get("bandwidth_gb_s") or 0.0
+    one = next((p for p in steps if p["sequences"] == 1), None)
+    if not bandwidth or one is None or not one.get("read_gb_s") or len(steps) < 2:
+        return ""
+    big = next((p for p in steps if p["sequences"] == ISSUE_TARGET[0]), steps[-1])
+    share = one["read_gb_s"] / bandwidth
+    read = (f"one sequence's step read {num(one['read_bytes'] / 1e6)} MB at {num(one['read_gb_s'])} GB/s, "
+            f"{pct(share)} of the {num(bandwidth)} GB/s a plain sum reads here")  # fmt: skip
+    rates = (f"at {big['sequences']} sequences the matrices ran {num(big['gmac_s'])} G MAC/s, "
+             f"{ratio(big['gmac_s'] / one['gmac_s'])} one sequence's {num(one['gmac_s'])}")  # fmt: skip
+    if share >= MEMORY_BOUND:
+        return f"Why: {read}, so it waits on memory and more sequences ride on the same read; {rates}."
+    return (f"Why: {read}: the read is a small part of the step, whose time goes to arithmetic, and each "
+            f"sequence brings its own ({rates}, the step {ratio(big['relative_cost'])}). Batching is nearly "
+            "free only for a step bound by its read.")  # fmt: skip
