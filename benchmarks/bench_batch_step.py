@@ -8,13 +8,16 @@ about 1.9× one (28 vs 52 ms). For each model and setting (the exact products, a
 int8`), B requests with distinct 64-token prompts are prefilled, then decode steps of all B are timed
 (wall clock, the engine's own step(): scheduling, the C decode step, sampling). Settings and batch
 sizes alternate within every round; the figures are medians over rounds of each round's median step.
-The split: the products alone (every matrix of the model through its kernel with B rows, timed the
-same way), and the rest of the step (attention over the cache, norms, sampling, scheduling).
+The split, timed inside the same steps (the decode backend's phase clock): the matrix products (the
+layers', and the LM head's apart), the mixer (attention over the cache with RoPE and the new K/V's
+writes), the layers' other work (norms, residuals, the gated activation), and the rest of the step
+(the embedding, sampling, scheduling: the engine's Python).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -27,15 +30,15 @@ import kvlab  # noqa: E402,F401  (before torch: its OpenMP settings, kvlab/__ini
 import torch  # noqa: E402
 
 from kvlab import LLM, SamplingParams  # noqa: E402
-from kvlab.kernels import quant  # noqa: E402
+from kvlab.backends.cpu import PHASES  # noqa: E402
 from kvlab.lab.common import cpu_model  # noqa: E402
-from kvlab.quant.linear import PackedLinear  # noqa: E402
 
 SETTINGS = {"exact": None, "int8": "int8"}
 
 
-def decode_steps(llm: LLM, batch: int, steps: int, prompt_len: int, seed: int) -> list[float]:
-    """Seconds of each of `steps` decode steps of `batch` sequences (prompts prefilled first)."""
+def decode_steps(llm: LLM, batch: int, steps: int, prompt_len: int, seed: int) -> tuple[list[float], list[float]]:
+    """Seconds of each of `steps` decode steps of `batch` sequences (prompts prefilled first), and the
+    seconds a step spent in each of the backend's PHASES (their mean; zeros without the backend)."""
     engine = llm.engine
     g = torch.Generator().manual_seed(seed)
     vocab = min(llm.config.vocab_size, 30000)
@@ -45,27 +48,16 @@ def decode_steps(llm: LLM, batch: int, steps: int, prompt_len: int, seed: int) -
     while engine.num_waiting or any(r.num_output_tokens == 0 for r in engine.scheduler.running):
         engine.step()  # prefill (and the first token)
     times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        engine.step()
-        times.append(time.perf_counter() - t0)
+    backend = engine.runner.driver.decode_path().backend
+    with backend.phase_clock() if backend is not None else contextlib.nullcontext(None) as phases:
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            engine.step()
+            times.append(time.perf_counter() - t0)
+        split = [0.0] * len(PHASES) if phases is None else (phases / steps).tolist()
     while engine.has_unfinished_requests:
         engine.step()
-    return times
-
-
-def product_seconds(llm: LLM, batch: int, repeats: int) -> float:
-    """One pass of every packed matrix of the model with `batch` rows: the products of one step."""
-    layers = [m for m in llm.loaded.model.modules() if isinstance(m, PackedLinear)]
-    xs = {m.in_features: torch.randn(batch, m.in_features) for m in layers}
-    threads = llm.policy.threads
-    best = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for m in layers:
-            quant.packed_linear(xs[m.in_features], m.packed(), m.out_features, threads=threads)
-        best.append(time.perf_counter() - t0)
-    return statistics.median(best)
+    return times, split
 
 
 def main() -> int:
@@ -87,23 +79,31 @@ def main() -> int:
         llms = {s: LLM(model, threads=args.threads, activation_quant=SETTINGS[s], max_model_len=1024,
                        enable_prefix_caching=False, kv_cache_dtype=args.kv_cache_dtype) for s in args.settings}  # fmt: skip
         samples = {(s, b): [] for s in args.settings for b in args.batches}
+        splits = {(s, b): [] for s in args.settings for b in args.batches}
         for r in range(args.rounds):
             for b in args.batches:
                 for s in args.settings:
-                    samples[s, b].append(statistics.median(decode_steps(llms[s], b, args.steps, args.prompt_len, seed=r)))
+                    times, split = decode_steps(llms[s], b, args.steps, args.prompt_len, seed=r)
+                    samples[s, b].append(statistics.median(times))
+                    splits[s, b].append(split)
         rows = {}
         for s in args.settings:
             one = statistics.median(samples[s, args.batches[0]])
             for b in args.batches:
                 step = statistics.median(samples[s, b])
-                prod = product_seconds(llms[s], b, repeats=5)
+                # each part's median over the rounds; the rest: the step less the parts of its own round
+                part = {name: statistics.median(x[i] for x in splits[s, b]) * 1e3 for i, name in enumerate(PHASES)}
+                rest = statistics.median(t - sum(x) for t, x in zip(samples[s, b], splits[s, b])) * 1e3
                 rows[f"{s}/{b}"] = {"setting": s, "batch": b, "step_ms": step * 1e3, "tok_s": b / step,
-                                    "vs_batch_1": step / one, "products_ms": prod * 1e3,
-                                    "rest_ms": (step - prod) * 1e3, "weight_format": llms[s].loaded.weight_format}  # fmt: skip
+                                    "vs_batch_1": step / one, "products_ms": part["products"] + part["head"],
+                                    "head_ms": part["head"], "attention_ms": part["mixer"],
+                                    "layer_other_ms": part["layer_other"], "rest_ms": rest,
+                                    "weight_format": llms[s].loaded.weight_format}  # fmt: skip
                 row = rows[f"{s}/{b}"]
                 print(f"{model:>20} {s:>6} B={b:<3} step {row['step_ms']:7.2f} ms  ×{row['vs_batch_1']:.2f} of B=1  "
-                      f"{row['tok_s']:7.1f} tok/s  products {row['products_ms']:6.2f} ms  rest {row['rest_ms']:6.2f} ms",
-                      flush=True)  # fmt: skip
+                      f"{row['tok_s']:7.1f} tok/s  products {row['products_ms']:6.2f} ms (LM head {row['head_ms']:5.2f})  "
+                      f"attention {row['attention_ms']:5.2f}  layers' other {row['layer_other_ms']:4.2f}  "
+                      f"rest {row['rest_ms']:5.2f} ms", flush=True)  # fmt: skip
         if "exact" in args.settings and "int8" in args.settings:
             base = statistics.median(samples["exact", args.batches[0]])
             for b in args.batches:

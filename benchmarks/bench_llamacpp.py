@@ -22,6 +22,7 @@ source text, tokenized by the GGUF's own vocabulary. Not part of `make test`.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import resource
@@ -93,7 +94,7 @@ def kvlab_worker(model: str, ids: dict[int, list[int]], threads: int, activation
         out[f"decode_{context}_tok_s"] = DECODE_STEPS / m.decode_s
     m = run(ids[PREFILL], 1).metrics
     out["prefill_tok_s"] = PREFILL / m.prefill_compute_s
-    out.update(step_split(lambda: run(ids[64], DECODE_STEPS + 1), llm.policy))
+    out.update(step_split(lambda: run(ids[64], DECODE_STEPS + 1), llm.policy, engine.runner.driver.decode_path().backend))
     out["peak_rss"] = peak_rss()
     out["step_bytes"] = llm.loaded.decode_weight_bytes()  # the weight bytes one decode step reads
     out["bandwidth_GB_s"] = read_bandwidth()
@@ -115,39 +116,27 @@ def read_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
     return x.numel() * 4 / statistics.median(times) / 1e9
 
 
-def step_split(decode, policy) -> dict:
-    """ms per decode step, and how much of it the matrix products take: the step as it runs (each
-    layer one C call), and the same kernels' time measured in a layer-by-layer run (their calls then
-    come from Python one by one, so they can be timed); the rest is everything else (attention, norms,
-    sampling, the engine's own work)."""
-    import time as clock
+def step_split(decode, policy, backend) -> dict:
+    """ms per decode step and its parts, timed inside the steps as they run (each layer one C call; the
+    decode backend's phase clock): the matrix products (the LM head's included), attention (with RoPE
+    and the K/V writes), and the rest (norms, residuals, the embedding, sampling: the engine's own work).
+    Then the same steps layer by layer from Python, for what the fused step saves."""
+    from kvlab.backends.cpu import PHASES
 
-    from kvlab.kernels import gemv, quant
-
-    step_ms = 1000 * decode().metrics.decode_s / DECODE_STEPS
-    spent = [0.0]
-
-    def timed(fn, x_arg: int):
-        def call(*args, **kwargs):
-            if args[x_arg].reshape(-1, args[x_arg].shape[-1]).shape[0] != 1:  # the prompt's passes: not counted
-                return fn(*args, **kwargs)
-            t = clock.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                spent[0] += clock.perf_counter() - t
-
-        return call
-
-    saved = gemv._gemv, quant.packed_linear, policy.fused_decode
-    gemv._gemv, quant.packed_linear, policy.fused_decode = timed(gemv._gemv, 1), timed(quant.packed_linear, 0), False
+    with backend.phase_clock() if backend is not None else contextlib.nullcontext(None) as phases:
+        step_ms = 1000 * decode().metrics.decode_s / DECODE_STEPS
+        # decode() timed its decode steps; the prompt's pass is no decode step and ran outside the clock's parts
+        part = dict(zip(PHASES, (1000 * phases / DECODE_STEPS).tolist())) if phases is not None else None
+    policy.fused_decode = False
     try:
-        m = decode().metrics
+        unfused_ms = 1000 * decode().metrics.decode_s / DECODE_STEPS
     finally:
-        gemv._gemv, quant.packed_linear, policy.fused_decode = saved
-    products_ms = 1000 * spent[0] / DECODE_STEPS  # the decode steps' one-row products
-    return {"step_ms": step_ms, "products_ms": products_ms, "rest_ms": step_ms - products_ms,
-            "unfused_step_ms": 1000 * m.decode_s / DECODE_STEPS}  # fmt: skip
+        policy.fused_decode = True
+    if part is None:  # no decode backend: the parts are not known
+        return {"step_ms": step_ms, "unfused_step_ms": unfused_ms}
+    products = part["products"] + part["head"]
+    return {"step_ms": step_ms, "products_ms": products, "attention_ms": part["mixer"],
+            "rest_ms": step_ms - products - part["mixer"], "unfused_step_ms": unfused_ms}  # fmt: skip
 
 
 def llamacpp_worker(model: str, ids: dict[int, list[int]], threads: int) -> dict:
@@ -257,7 +246,8 @@ def main() -> int:
         entry["ratio"] = {k: summary([a[k] / b[k] for a, b in zip(runs["kvlab"], runs["llamacpp"])]) for k in FIGURES}
         entry["kvlab_weights"] = {"format": runs["kvlab"][0]["weight_format"], "bytes": runs["kvlab"][0]["weight_bytes"]}
         entry["kvlab_step"] = {k: summary([run[k] for run in runs["kvlab"]])
-                               for k in ("step_ms", "products_ms", "rest_ms", "unfused_step_ms")}  # fmt: skip
+                               for k in ("step_ms", "products_ms", "attention_ms", "rest_ms", "unfused_step_ms")
+                               if k in runs["kvlab"][0]}  # fmt: skip
         entry["roofline"] = roofline(runs)
         results["models"][model] = entry
     print_table(results)
@@ -293,8 +283,9 @@ def print_table(results: dict) -> None:
             print(f"{k:20s} {cell(e['kvlab'][k]):>24s} {cell(e['llamacpp'][k]):>24s} "
                   f"{r['median']:8.2f}× ({r['min']:.2f}–{r['max']:.2f})")  # fmt: skip
         split = {k: v["median"] for k, v in e["kvlab_step"].items()}
-        print(f"kvlab decode step after 64 tokens: {split['step_ms']:.2f} ms = {split['products_ms']:.2f} ms in the "
-              f"matrix products + {split['rest_ms']:.2f} ms everything else (layer by layer from Python: "
+        parts = (f" = {split['products_ms']:.2f} ms in the matrix products + {split['attention_ms']:.2f} ms attention "
+                 f"+ {split['rest_ms']:.2f} ms everything else" if "products_ms" in split else "")  # fmt: skip
+        print(f"kvlab decode step after 64 tokens: {split['step_ms']:.2f} ms{parts} (layer by layer from Python: "
               f"{split['unfused_step_ms']:.2f} ms)")  # fmt: skip
         roof = e["roofline"]
         print(f"decode after 64 tokens reads {roof['step_bytes'] / 1e6:.1f} MB of weights a token; read bandwidth "

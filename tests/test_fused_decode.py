@@ -108,3 +108,36 @@ def test_a_step_that_is_not_all_decodes_runs_the_modules(model, monkeypatch):
     monkeypatch.setattr(CpuDecodeBackend, "run", lambda self, *a: calls.append(a[0].shape[1]) or run(self, *a))
     serve(model, prompts(3, seed=2), fused=True)
     assert calls and max(calls) <= 3  # only decode steps (one token per running sequence) were fused
+
+
+def test_the_phase_clock_times_each_part_of_the_steps_and_changes_nothing(model):
+    """Within phase_clock() every decode step adds its parts' wall time (the layers' products, their mixer,
+    their other work, the LM head); the parts fit inside the steps' own time, the tokens are the ones an
+    untimed run gives, and once the block is left nothing more is added."""
+    import time
+
+    from kvlab.backends.cpu import PHASES
+
+    batch = prompts(4, seed=5)
+    engine = LLMEngine(model, None, EngineConfig(max_num_batched_tokens=64, kv_memory_bytes=1 << 22))
+    backend = engine.runner.driver.decode_path().backend
+    assert isinstance(backend, CpuDecodeBackend)
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)  # as serve() asks
+    ids = [engine.add_request(p, params) for p in batch]
+    while any(r.num_output_tokens == 0 for r in engine.scheduler.running) or engine.num_waiting:
+        engine.step()  # the prompts: not decode steps
+    done, spent = {}, 0.0
+    with backend.phase_clock() as phases:
+        assert phases.tolist() == [0.0] * len(PHASES)
+        for _ in range(3):
+            t = time.perf_counter()
+            outputs = engine.step()
+            spent += time.perf_counter() - t
+            done.update({o.request_id: o.output.token_ids for o in outputs if o.finished})
+        timed = phases.clone()
+    assert all(seconds > 0 for seconds in timed.tolist()), dict(zip(PHASES, timed.tolist()))
+    assert timed.sum().item() <= spent
+    while engine.has_unfinished_requests:
+        done.update({o.request_id: o.output.token_ids for o in engine.step() if o.finished})
+    assert torch.equal(phases, timed)  # left the block: the later steps were not timed
+    assert [done[i] for i in ids] == serve(model, batch, fused=True, max_num_batched_tokens=64)  # as untimed

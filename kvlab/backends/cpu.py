@@ -26,12 +26,19 @@ pool's slots, the gated norm and out_proj), their attention layers take the outp
 rotary. The pool is brought to the pass's positions once (`StatePool.begin`) before the layers run.
 Forward hooks on a decoder layer (the MTP proposer's, which reads the last layer's output) are called
 with the layer's output as if the module had run.
+
+`phase_clock()` times the steps' parts where they run (the benchmarks' split of a step): each layer's
+matrix products, its mixer (attention with RoPE and the K/V writes, or a DeltaNet), its other work
+(norms, residuals, the activation), and the final norm with the LM head (`PHASES`).
 """
 
 from __future__ import annotations
 
 import ctypes
+import time
 import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -43,10 +50,15 @@ from kvlab.kv.formats import unrotated
 from kvlab.kv.layout import window_start
 
 
+# the parts of a step phase_clock() times, in its tensor's order: decode.c's PHASE_* (step.h), then the head
+PHASES = ("products", "mixer", "layer_other", "head")
+
+
 class CpuDecodeBackend:
     """The C description of every decoder layer of one model, and the step that runs them."""
 
     name = "cpu-c"
+    _phases: torch.Tensor | None = None  # float64 [len(PHASES)] while phase_clock() is open
 
     def __init__(self, model, layers: list[LayerDesc], keep: list[torch.Tensor], lib):
         self.model, self.layers, self.lib = model, layers, lib
@@ -69,6 +81,17 @@ class CpuDecodeBackend:
 
         self.any_rows = not any(isinstance(m, Linear) for m in model.layers.modules())
         self.mixer_floats = max(self._mixer_floats(d) for d in layers)  # Step.mixer_scratch per row of a step
+
+    @contextmanager
+    def phase_clock(self) -> Iterator[torch.Tensor]:
+        """Within the block, every step this backend runs adds the wall time of its parts to the yielded
+        float64 tensor, in PHASES' order (seconds, summed over steps and layers); outside it nothing is timed."""
+        phases = torch.zeros(len(PHASES), dtype=torch.float64)
+        self._phases = phases
+        try:
+            yield phases
+        finally:
+            self._phases = None
 
     @classmethod
     def build(cls, model) -> CpuDecodeBackend | str:
@@ -144,6 +167,8 @@ class CpuDecodeBackend:
         step.moe_scratch = moe_scratch.data_ptr() if moe_scratch is not None else None
         mixer_scratch = torch.empty(B * self.mixer_floats)
         step.mixer_scratch = mixer_scratch.data_ptr()
+        phases = self._phases
+        step.phase_seconds = phases.data_ptr() if phases is not None else None
         if self.hybrid:  # the recurrent states at the pass's positions; each sequence's slot
             cache.states.begin(meta.states)
             state_slots = torch.tensor(meta.states.segments[0].slots, dtype=torch.int64)
@@ -178,9 +203,12 @@ class CpuDecodeBackend:
                 for hook in list(layer._forward_hooks.values()):
                     hook(layer, (), x[None].clone())
         x = x[logits_index]  # [S, E]
+        t = time.perf_counter()
         logits = model.lm_head(model.norm(x[None])).float()  # [1, S, V]
         if model.logit_softcap is not None:
             logits = torch.tanh(logits / model.logit_softcap) * model.logit_softcap
+        if phases is not None:
+            phases[PHASES.index("head")] += time.perf_counter() - t
         return logits
 
     def _plan(self, cache, k_fmt: int, v_fmt: int) -> list[_LayerEntry]:

@@ -39,6 +39,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "step.h"
 
@@ -74,6 +75,27 @@ static inline void linear(const Linear* l, const float* x, float* y, int64_t m, 
 
 // ---- the layer ----------------------------------------------------------------------------------
 
+// A step's clock over a layer's parts (Step.phase_seconds; PHASE_*): each lap adds the time since the last
+// to its part. Without phase_seconds it reads no clock.
+typedef struct {
+    double* seconds;
+    struct timespec last;
+} Clock;
+
+static Clock start_clock(const Step* S) {
+    Clock c = {S->phase_seconds, {0, 0}};
+    if (c.seconds) clock_gettime(CLOCK_MONOTONIC, &c.last);
+    return c;
+}
+
+static void lap(Clock* c, int phase) {
+    if (!c->seconds) return;
+    struct timespec now;
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    c->seconds[phase] += (double)(now.tv_sec - c->last.tv_sec) + 1e-9 * (double)(now.tv_nsec - c->last.tv_nsec);
+    c->last = now;
+}
+
 // x += y [B, E], y normalised first where the layer normalises its outputs (Gemma's sandwich; in place)
 static void add_residual(float* x, float* y, const float* out_norm, int64_t B, int64_t E, float eps) {
     if (out_norm) kvlab_rms_norm_f32(y, out_norm, y, B, E, eps);
@@ -90,7 +112,7 @@ static int reduce(const Reduce* r, float* y, int64_t n) {
 
 // The attention of a layer: normed [B, E] (the normalised input) in, the o product's output [B, E] written
 // over it. q/k/v, their norms, RoPE, the new K/V into the cache, attention, the output gate, o.
-static void attention(const Layer* L, const Step* S, float* normed, int threads) {
+static void attention(const Layer* L, const Step* S, float* normed, int threads, Clock* clock) {
     const int64_t B = S->batch, E = L->hidden, D = L->head_dim, H = L->heads, Hkv = L->kv_heads;
     const int64_t qkv_row = (H + 2 * Hkv) * D;
     float* qkv = S->scratch;
@@ -100,6 +122,7 @@ static void attention(const Layer* L, const Step* S, float* normed, int threads)
 
     linear(&L->qkv, normed, qkv, B, qkv_row, threads);
     if (L->gate.num_parts) linear(&L->gate, normed, S->mixer_scratch, B, H * D, threads);  // before o overwrites
+    lap(clock, PHASE_PRODUCTS);
     if (L->q_norm) {  // each head of q and of k normalised over its D values (OLMoE: all heads at once)
         const int64_t qn = L->qk_norm_whole ? 1 : H, kn = L->qk_norm_whole ? 1 : Hkv;
         for (int64_t b = 0; b < B; b++) {
@@ -127,7 +150,9 @@ static void attention(const Layer* L, const Step* S, float* normed, int threads)
     kvlab_decode_attention(L, S, qkv, attn, scores, partial, threads);
     if (L->gate.num_parts)  // Qwen3.5: each channel of the heads' outputs times sigmoid(its gate)
         for (int64_t i = 0; i < B * H * D; i++) attn[i] *= 1.0f / (1.0f + expf(-S->mixer_scratch[i]));
+    lap(clock, PHASE_MIXER);
     linear(&L->o, attn, normed, B, E, threads);
+    lap(clock, PHASE_PRODUCTS);
 }
 
 // x [B, hidden] float32, updated in place: x + mixer(x) (attention, or a Gated DeltaNet), then + MLP(that).
@@ -140,29 +165,39 @@ int kvlab_decode_layer(const Layer* L, const Step* S, float* x, int threads) {
     float* gate_up = normed + B * E;
     float* act = gate_up + B * 2 * I;
 
+    Clock clock = start_clock(S);
     kvlab_rms_norm_f32(x, L->attn_norm, normed, B, E, L->eps);
+    lap(&clock, PHASE_OTHER);
     if (L->deltanet) {
         if (kvlab_deltanet_mixer(L->deltanet, S, normed, E, threads)) return -2;
+        lap(&clock, PHASE_MIXER);
     } else {
-        attention(L, S, normed, threads);
+        attention(L, S, normed, threads, &clock);
     }
     if (reduce(L->reduce, normed, B * E)) return -1;
     add_residual(x, normed, L->attn_out_norm, B, E, L->eps);
 
     kvlab_rms_norm_f32(x, L->mlp_norm, normed, B, E, L->eps);
+    lap(&clock, PHASE_OTHER);
     if (L->moe) {  // a mixture of experts (moe.c): its output [B, E] first in the step's MoE scratch
         float* out = S->moe_scratch;
         kvlab_moe(L->moe, normed, out, B, E, out + B * E, threads);
+        lap(&clock, PHASE_PRODUCTS);
         if (reduce(L->reduce, out, B * E)) return -1;  // a shard's experts: their sum over the ranks
         add_residual(x, out, L->mlp_out_norm, B, E, L->eps);
+        lap(&clock, PHASE_OTHER);
         return 0;
     }
     linear(&L->gate_up, normed, gate_up, B, 2 * I, threads);
+    lap(&clock, PHASE_PRODUCTS);
     // the modules' decode-sized passes call it too; the rows on the pool (Qwen2.5-Coder-0.5B's 16 × 4,864
     // on the caller alone: 34 us a layer while the other core waited)
     kvlab_gated_act_rows(gate_up, 2 * I, gate_up + I, 2 * I, act, B, I, L->activation, threads);
+    lap(&clock, PHASE_OTHER);
     linear(&L->down, act, normed, B, E, threads);
+    lap(&clock, PHASE_PRODUCTS);
     if (reduce(L->reduce, normed, B * E)) return -1;
     add_residual(x, normed, L->mlp_out_norm, B, E, L->eps);
+    lap(&clock, PHASE_OTHER);
     return 0;
 }

@@ -91,7 +91,7 @@ class StepDesc(ctypes.Structure):
                 ("scratch", ctypes.c_void_p),
                 ("rotate_k", ctypes.c_int32), ("rotate_v", ctypes.c_int32), ("moe_scratch", ctypes.c_void_p),
                 ("conv_state", ctypes.c_void_p), ("ssm_state", ctypes.c_void_p), ("state_slots", ctypes.c_void_p),
-                ("mixer_scratch", ctypes.c_void_p)]  # fmt: skip
+                ("mixer_scratch", ctypes.c_void_p), ("phase_seconds", ctypes.c_void_p)]  # fmt: skip
 
 
 MAX_HEAD_DIM = 512  # decode.c's row buffers

@@ -150,7 +150,13 @@ typedef struct {
     float *conv_state, *ssm_state;       // a DeltaNet layer's states in the pool: [slots, C, K − 1], [slots, H, Dk, Dv]
     const int64_t* state_slots;          // [B]: each sequence's slot in them
     float* mixer_scratch;                // the attention gate's [B, H·D], or a DeltaNet's (kvlab_deltanet_scratch_floats)
+    double* phase_seconds;               // [PHASES]: each part's wall time added here (decode.c), or NULL: none timed
 } Step;
+
+// The parts of a layer a step can time (Step.phase_seconds): its matrix products (a mixture's experts
+// too), its mixer (attention with RoPE and the new K/V's writes, or a Gated DeltaNet with its own products), the rest (norms,
+// residuals, the gated activation, all-reduces). kvlab/backends/cpu.py names them in this order.
+enum { PHASE_PRODUCTS = 0, PHASE_MIXER = 1, PHASE_OTHER = 2, PHASES = 3 };
 
 // A Gated DeltaNet's decode step (deltanet.c): x [B, hidden] the normalised input, overwritten with the
 // mixer's output; the layer's conv and delta-rule states updated in place. 0, or -1 for sizes out of range.
