@@ -137,3 +137,25 @@ def test_the_servers_memory_plan_plans_the_bytes_the_packed_model_holds(files, n
         else:
             assert planned == llm.loaded.weight_bytes, extra
     capsys.readouterr()
+
+
+@pytest.mark.parametrize("fmt", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q4_K", "Q5_K", "Q6_K"])
+def test_an_embedding_lookup_gives_the_references_rows_on_every_device_path(fmt):
+    """PackedEmbedding dequantizes the rows it reads with its device's ops (on a CPU the C kernels): the
+    reference's bits, for one row, a decode step's few, and a prompt's many, repeated ids included."""
+    from kvlab.backends.ops import ops_for
+    from kvlab.kernels import ThreadPolicy
+    from kvlab.quant.formats import FORMATS
+    from kvlab.quant.linear import PackedTensor
+
+    from quant_blocks import random_blocks
+
+    g = torch.Generator().manual_seed(7)
+    rows, width = 300, 512
+    table = torch.from_numpy(random_blocks(fmt, rows, width, seed=7))
+    emb = PackedEmbedding(PackedTensor(fmt, (rows, width), table))
+    for ids in (torch.tensor([[17]]), torch.tensor([[3], [250], [3]]), torch.randint(0, rows, (2, 40), generator=g)):
+        want = FORMATS[fmt].dequantize(table.index_select(0, ids.reshape(-1)), width).view(*ids.shape, width)
+        assert torch.equal(emb(ids), want)  # outside any driver: the reference's own ops
+        with ops_for("cpu").applied(ThreadPolicy(threads=2), ids.numel()):
+            assert torch.equal(emb(ids), want)
