@@ -145,8 +145,8 @@ class PackedEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         rows = self.packed_0.index_select(0, ids.reshape(-1))  # [n, row bytes]
-        # the device's dequantization (on a CPU the C kernels': a decode step's one row in ~5 us, not the
-        # reference's ~55), bit for bit the reference's
+        # the device's dequantization, bit for bit the reference's (on a CPU the C kernels': a decode step's
+        # row in 48 us inside a step against the reference's 88; SmolLM2, a Zen 3 VM)
         values = current_ops().dequantize(PackedTensor(self.fmt, (rows.shape[0], self.shape[1]), rows))
         return values.to(self.out_dtype).view(*ids.shape, self.shape[1])
 
