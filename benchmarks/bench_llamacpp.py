@@ -127,11 +127,11 @@ def step_split(decode, policy, backend) -> dict:
         step_ms = 1000 * decode().metrics.decode_s / DECODE_STEPS
         # decode() timed its decode steps; the prompt's pass is no decode step and ran outside the clock's parts
         part = dict(zip(PHASES, (1000 * phases / DECODE_STEPS).tolist())) if phases is not None else None
-    policy.fused_decode = False
+    fused, policy.fused_decode = policy.fused_decode, False
     try:
         unfused_ms = 1000 * decode().metrics.decode_s / DECODE_STEPS
     finally:
-        policy.fused_decode = True
+        policy.fused_decode = fused
     if part is None:  # no decode backend: the parts are not known
         return {"step_ms": step_ms, "unfused_step_ms": unfused_ms}
     products = part["products"] + part["head"]

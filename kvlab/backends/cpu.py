@@ -203,7 +203,7 @@ class CpuDecodeBackend:
                 for hook in list(layer._forward_hooks.values()):
                     hook(layer, (), x[None].clone())
         x = x[logits_index]  # [S, E]
-        t = time.perf_counter()
+        t = time.perf_counter() if phases is not None else 0.0
         logits = model.lm_head(model.norm(x[None])).float()  # [1, S, V]
         if model.logit_softcap is not None:
             logits = torch.tanh(logits / model.logit_softcap) * model.logit_softcap

@@ -161,13 +161,19 @@ def decode_engine(lab: Lab, max_batch: int, context: int):
     from kvlab.config import EngineConfig
     from kvlab.engine import LLMEngine
     from kvlab.kernels import ThreadPolicy
-    from kvlab.kv.paged import PagedKVCache
 
     longest = context + _max_new_tokens(lab) + 16
-    per_token = PagedKVCache.bytes_per_token_for(lab.config, lab.model.dtype)
+    per_token = kv_bytes_per_token(lab)
     config = EngineConfig(max_model_len=max(longest, 32), kv_memory_bytes=per_token * (longest + 32) * max_batch,
                           enable_prefix_caching=False, max_num_seqs=max_batch, max_num_batched_tokens=512)  # fmt: skip
     return LLMEngine(lab.loaded, None, config, policy=ThreadPolicy(threads=torch.get_num_threads()))
+
+
+def kv_bytes_per_token(lab: Lab) -> int:
+    """K and V bytes of one token over every layer in decode_engine's cache (the model's dtype)."""
+    from kvlab.kv.paged import PagedKVCache
+
+    return PagedKVCache.bytes_per_token_for(lab.config, lab.model.dtype)
 
 
 def _max_new_tokens(lab: Lab) -> int:
@@ -225,10 +231,7 @@ def time_decode_steps(lab: Lab, engine, batch: int, context: int, one_s: float |
         for rid in ids:
             if engine.has_request(rid):
                 engine.abort_request(rid)
-    from kvlab.kv.paged import PagedKVCache
-
-    per_token = PagedKVCache.bytes_per_token_for(lab.config, lab.model.dtype)  # every layer's K and V (decode_engine's)
-    read = lab.loaded.decode_weight_bytes() + int(tokens * per_token)
+    read = lab.loaded.decode_weight_bytes() + int(tokens * kv_bytes_per_token(lab))
     macs = batch * sum(lab.model.matmul_macs_per_token())  # the matrices' multiply-adds of B tokens
     return decode_step_point(batch, Timing.of([s / steps for s in timing.samples_s]), steps, seen["steps"],
                              seen["backend"], seen["pure"], one_s, read, macs)  # fmt: skip
