@@ -1043,7 +1043,10 @@ static void items(void* ctx, uint32_t begin, uint32_t end) {
 // they are multiplied as the signed q (|q| against x with q's sign: llama.cpp's trick), which is the
 // same integer sum without the −128·sum(x) it starts from. An item's 16 rows are two halves of 8 lanes;
 // the integers are exact and the float operations per lane are the fallback's below, in its order: the
-// same bits.
+// same bits. The bound on an AMD Zen 3 core: vpmaddubsw alone issues 2 a cycle, but with the vpaddw each
+// needs only 1.25 (they share pipes), so 40 multiply-adds a cycle at most; a loop of just those (codes
+// masked, x broadcast) ran 34-38, these passes 24-25 at 16 rows (1,024 x 1,024 Q4_1, one thread, in cache):
+// the group's scaling (vpmaddwd, conversion, scale · dx, the FMAs with the min) is most of the rest.
 #define MT2 4  // activation rows per pass over a half item: 4 of int16 sums, int32 sums and accumulators
 // From SPLIT_HALVES rows a call splits each 5-bit item's codes once (split_halves) for its passes of MT2 rows,
 // instead of placing the fifth bits in every pass (seven operations a register). On an AMD EPYC Zen 3 VM,
@@ -1113,9 +1116,9 @@ static inline __attribute__((always_inline)) void half_rows(const Product* p, co
                                             : _mm256_maddubs_epi16(w[hh], xv);
                 s16[u] = k % K16 ? _mm256_add_epi16(s16[u], prod) : prod;
                 if (k % K16 == K16 - 1 || k == NW - 1) {  // the 16-bit sums into 32 bits, from −off·sum(q)
-                    const __m256i part = _mm256_madd_epi16(s16[u], ones);
+                    const __m256i part = _mm256_madd_epi16(s16[u], ones);  // (0 with a min: no add, 5% at 16 rows)
                     s[u] = k >= K16 ? _mm256_add_epi32(s[u], part)
-                           : SIGNED ? part : _mm256_add_epi32(_mm256_set1_epi32(xs[i].neg_off), part);
+                           : SIGNED || MIN ? part : _mm256_add_epi32(_mm256_set1_epi32(xs[i].neg_off), part);
                 }
             }
             // in this order: GCC would otherwise hoist every load and product above the sums and spill them;
