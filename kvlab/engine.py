@@ -207,7 +207,8 @@ class LLMEngine:
         except Exception as error:
             return self._fail_step(plan, error)
         phases = dict(zip(STEP_PHASES, (t1 - t0, step.prepare_s, step.forward_s, step.sample_s, t5 - t4)))
-        self.stats.record_step(phases, plan.num_tokens, tokens.num_sampled)
+        prompt = any(c.start < c.request.num_prompt_tokens for c in plan.chunks)
+        self.stats.record_step(phases, plan.num_tokens, tokens.num_sampled, prompt)
         if self.spec is not None:
             pure = all(c.is_decode or c.spec_token_ids for c in plan.chunks)
             self.spec.record_step(t5 - t0, pure, sum(1 for c in plan.chunks if c.spec_token_ids), tokens.num_sampled,

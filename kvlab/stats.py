@@ -51,6 +51,7 @@ class EngineStats:
     step_tokens: int = 0
     prompt_tokens: int = 0  # prompt tokens of finished requests
     generation_tokens: int = 0  # tokens sampled
+    prompt_step_seconds: float = 0.0  # wall time of the steps that computed prompt tokens (the rest: decode rows only)
     finished: dict[str, int] = field(default_factory=dict)  # by finish reason
     phase_seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STEP_PHASES, 0.0))
     phase_hist: dict[str, Histogram] = field(default_factory=lambda: {p: Histogram(PHASE_BUCKETS) for p in STEP_PHASES})
@@ -61,11 +62,13 @@ class EngineStats:
     e2e: Histogram = field(default_factory=lambda: Histogram(LATENCY_BUCKETS))
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
-    def record_step(self, phases: dict[str, float], num_tokens: int, num_sampled: int) -> None:
+    def record_step(self, phases: dict[str, float], num_tokens: int, num_sampled: int, prompt: bool = False) -> None:
         with self.lock:
             self.steps += 1
             self.step_tokens += num_tokens
             self.generation_tokens += num_sampled
+            if prompt:
+                self.prompt_step_seconds += sum(phases.values())
             for name, seconds in phases.items():
                 self.phase_seconds[name] += seconds
                 self.phase_hist[name].observe(seconds)

@@ -131,3 +131,23 @@ def test_engine_stats_split_every_step(llm):
 def test_metrics_of_the_single_sequence_engine_keep_their_meaning():
     m = RequestMetrics(prompt_tokens=10, cached_prompt_tokens=4, generated_tokens=5, prefill_s=0.5, decode_s=1.0)
     assert m.prefill_tokens == 6 and m.decode_tok_s == 4.0 and m.tpot_s == 0.25
+
+
+def test_the_engine_times_its_prompt_steps_apart_and_the_load_generator_reports_them(llm):
+    from kvlab.bench.serve import Workload, run_in_process
+
+    engine, stats = llm.engine, llm.engine.stats
+    engine.add_request(ids(40)["prompt_token_ids"], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+    engine.step()  # the whole prompt in one step
+    after_prompt = stats.prompt_step_seconds
+    assert after_prompt > 0
+    steps = stats.steps
+    while engine.has_unfinished_requests:
+        engine.step()
+    assert stats.steps == steps + 5 and stats.prompt_step_seconds == after_prompt  # decode rows only: not counted
+
+    result = run_in_process(engine, Workload(num_requests=4, concurrency=2, prompt_len=24, output_len=5, seed=3))
+    s = result.summary()
+    assert s["completed"] == 4 and 0 < s["prompt_step_s"] < s["duration_s"]
+    assert s["prompt_step_s"] == pytest.approx(stats.prompt_step_seconds - after_prompt)
+    assert "steps with prompt tokens" in result.table()

@@ -130,12 +130,15 @@ def test_models_health_and_metrics(server):
     for name in ("kvlab_requests_running", "kvlab_requests_waiting", "kvlab_kv_blocks_used", "kvlab_kv_blocks_total",
                  "kvlab_prefix_cache_hit_rate", "kvlab_time_to_first_token_seconds_bucket",
                  "kvlab_time_per_output_token_seconds_count", "kvlab_generation_tokens_total",
+                 "kvlab_engine_prompt_step_seconds_total",
                  'kvlab_step_phase_seconds_total{model_name="tiny",phase="forward"}',
                  'phase="schedule"', 'phase="prepare_inputs"', 'phase="sample"', 'phase="detokenize"'):  # fmt: skip
         assert name in text, name
     for line in text.splitlines():  # every sample line is `name{labels} number`
         if not line.startswith("#"):
             float(line.rsplit(" ", 1)[1])
+    prompt_s = next(line for line in text.splitlines() if line.startswith("kvlab_engine_prompt_step_seconds_total"))
+    assert float(prompt_s.rsplit(" ", 1)[1]) > 0  # the completion's prompt ran in a step
 
 
 @pytest.mark.parametrize(

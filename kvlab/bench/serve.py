@@ -52,6 +52,7 @@ class BenchResult:
     records: list[RequestRecord] = field(default_factory=list)
     prefix_hit_rate: float | None = None  # of this run's requests (token-weighted)
     aborted: int = 0
+    prompt_step_s: float | None = None  # in process: the run's time in steps that computed prompt tokens
 
     def summary(self) -> dict:
         done = [r for r in self.records if r.finish_reason != "abort"]
@@ -70,6 +71,7 @@ class BenchResult:
             "tpot_p50_s": _pct(tpot, 50),
             "tpot_p99_s": _pct(tpot, 99),
             "prefix_hit_rate": self.prefix_hit_rate,
+            "prompt_step_s": self.prompt_step_s,
         }
 
     def to_json(self) -> dict:
@@ -90,6 +92,8 @@ class BenchResult:
             ("TPOT p50 / p99", f"{_ms(s['tpot_p50_s'])} / {_ms(s['tpot_p99_s'])}"),
             ("prefix-cache hit rate", hit),
         ]
+        if s["prompt_step_s"] is not None and s["duration_s"]:
+            rows.append(("steps with prompt tokens", f"{s['prompt_step_s']:.2f} s ({s['prompt_step_s'] / s['duration_s']:.0%} of the run)"))
         width = max(len(k) for k, _ in rows)
         return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 
@@ -118,6 +122,7 @@ def run_in_process(engine, workload: Workload) -> BenchResult:
     pending = workload.prompts(engine.loaded.config.vocab_size)
     stats = engine.kv.stats
     queries, hits = stats.queries, stats.hits
+    prompt_s = engine.stats.prompt_step_seconds
     records, in_flight, aborted = [], set(), 0
     start = time.perf_counter()
     deadline = start + workload.max_duration_s
@@ -137,7 +142,8 @@ def run_in_process(engine, workload: Workload) -> BenchResult:
                 records.append(_record(out.output))
     duration = time.perf_counter() - start
     dq, dh = stats.queries - queries, stats.hits - hits
-    return BenchResult("in-process engine", workload, duration, records, dh / dq if dq else 0.0, aborted)
+    return BenchResult("in-process engine", workload, duration, records, dh / dq if dq else 0.0, aborted,
+                       engine.stats.prompt_step_seconds - prompt_s)  # fmt: skip
 
 
 def _record(output) -> RequestRecord:

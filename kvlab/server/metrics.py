@@ -71,6 +71,8 @@ def render(engine: LLMEngine, model: str, routes: RouteCounts | None = None) -> 
                  [(f'finish_reason="{r}"', n) for r, n in sorted(stats.finished.items())] or [('finish_reason="stop"', 0)])  # fmt: skip
         w.metric("kvlab_engine_steps_total", "counter", "Engine steps run.", [("", stats.steps)])
         w.metric("kvlab_engine_step_tokens_total", "counter", "Tokens through the model, all steps.", [("", stats.step_tokens)])
+        w.metric("kvlab_engine_prompt_step_seconds_total", "counter", "Time of the steps that computed prompt tokens.",
+                 [("", stats.prompt_step_seconds)])  # fmt: skip
         w.metric("kvlab_step_phase_seconds_total", "counter", "Engine step time by phase.",
                  [(f'phase="{p}"', s) for p, s in stats.phase_seconds.items()])  # fmt: skip
         w.histogram("kvlab_step_phase_seconds", "Time of each engine step's phases.",
