@@ -1,4 +1,4 @@
-"""The fused decode step (one C call per decoder layer) against the model's own modules, pass for pass.
+"""The fused decode step (a step's decoder layers in one C call) against the model's own modules, pass for pass.
 
 Its products and norms are the same C kernels, so only attention and SiLU differ in the order of
 their sums: logits within 1e-5 of the layer-by-layer path, and the same greedy tokens in a batched
@@ -141,3 +141,36 @@ def test_the_phase_clock_times_each_part_of_the_steps_and_changes_nothing(model)
         done.update({o.request_id: o.output.token_ids for o in engine.step() if o.finished})
     assert torch.equal(phases, timed)  # left the block: the later steps were not timed
     assert [done[i] for i in ids] == serve(model, batch, fused=True, max_num_batched_tokens=64)  # as untimed
+
+
+def test_forward_hooks_see_each_hooked_layers_output_as_the_modules_give_it(model, monkeypatch):
+    """The C step runs a step's layers in one call, but up to each layer with forward hooks (the MTP
+    proposer's on the last): the hooks get that layer's output [1, B, E], the one the modules' own pass
+    gives (within the fused path's tolerance), once per step, and the tokens do not change."""
+    from kvlab.kernels import gemv
+
+    layers = model.model.layers
+    hooked = (1, len(layers) - 1)
+    batch = prompts(3, seed=7)
+
+    def run(fused: bool):
+        seen = {i: [] for i in hooked}
+        handles = [layers[i].register_forward_hook(lambda m, a, out, i=i: seen[i].append(out[0].clone())) for i in hooked]
+        try:
+            return serve(model, batch, fused=fused), seen
+        finally:
+            for h in handles:
+                h.remove()
+
+    calls = []
+    bound = gemv._decode["layers"]
+    monkeypatch.setitem(gemv._decode, "layers", lambda *a: calls.append(a[1]) or bound(*a))
+    fused, fused_seen = run(True)
+    plain, plain_seen = run(False)
+    assert fused == plain
+    steps = len(calls) // 2
+    assert steps >= 10 and calls == [2, len(layers) - 2] * steps  # layers 0-1, then the rest: one call each
+    for i in hooked:  # the two runs step alike: call for call, the same rows (prompt chunks, or decode rows)
+        assert len(fused_seen[i]) == len(plain_seen[i]) >= steps
+        for a, b in zip(fused_seen[i], plain_seen[i]):
+            assert a.shape == b.shape and (a - b).abs().max() <= 1e-4 * max(b.abs().max().item(), 1.0)

@@ -1,4 +1,4 @@
-"""The CPU decode backend: each decoder layer of a paged decode step in one C call (kernels/decode.c).
+"""The CPU decode backend: the decoder layers of a paged decode step in one C call (kernels/decode.c).
 
     backend = CpuDecodeBackend.build(model)      # or a str: why this model cannot take it
     backend.cache_reason(cache)                  # None, or why this cache cannot
@@ -24,8 +24,10 @@ A hybrid's Gated DeltaNet layers (Qwen3.5, Qwen3-Next) are layers of the same st
 described as a `DeltaNetDesc` (kernels/deltanet.c runs in_proj, the conv, the delta rule on the state
 pool's slots, the gated norm and out_proj), their attention layers take the output gate and partial
 rotary. The pool is brought to the pass's positions once (`StatePool.begin`) before the layers run.
-Forward hooks on a decoder layer (the MTP proposer's, which reads the last layer's output) are called
-with the layer's output as if the module had run.
+A step runs its layers in one C call, each with its K/V storage, rotary angles and KV view set from
+its `LayerStep` (a `_Plan` per cache); forward hooks on a decoder layer (the MTP proposer's, which reads
+the last layer's output) split the call there and are called with the layer's output as if the module
+had run.
 
 `phase_clock()` times the steps' parts where they run (the benchmarks' split of a step): each layer's
 matrix products, its mixer (attention with RoPE and the K/V writes, or a DeltaNet), its other work
@@ -44,7 +46,8 @@ import torch
 
 from kvlab.backends.cpu_layer import describe_layer, is_attention
 from kvlab.kernels import gemv
-from kvlab.kernels.decode import MAX_HEAD_DIM, KVStore, LayerDesc, StepDesc, kv_format_ids, library, struct_mismatch
+from kvlab.kernels.decode import (MAX_HEAD_DIM, Angles, KVStore, KVView, LayerDesc, LayerStep, StepDesc, kv_format_ids,
+                                  library, struct_mismatch)  # fmt: skip
 from kvlab.kernels.policy import ThreadPolicy
 from kvlab.kv.formats import unrotated
 from kvlab.kv.layout import window_start
@@ -64,7 +67,7 @@ class CpuDecodeBackend:
         self.model, self.layers, self.lib = model, layers, lib
         self._keep = keep  # tensors the descriptions point at that the model does not hold (1 + w)
         self._checked: dict[int, str | None] = {}  # id(cache) → cache_reason, asked once per cache
-        self._plan_of: tuple | None = None  # (a weak reference to the cache, its per-layer plan): see _plan
+        self._plan_of: tuple | None = None  # (a weak reference to the cache, its _Plan): see _plan
         self.kv_ids = kv_format_ids()  # decode.c's id of each KV storage format, asked once
         self._attentions = [layer.attn for layer in model.layers if is_attention(layer.attn)]
         attns = self._attentions or [None]
@@ -173,35 +176,31 @@ class CpuDecodeBackend:
             cache.states.begin(meta.states)
             state_slots = torch.tensor(meta.states.segments[0].slots, dtype=torch.int64)
             step.state_slots = state_slots.data_ptr()
-        angles = {}  # one cos/sin lookup per rotary table: [B, D] each
-        run_layer, step_ref, x_ptr, threads = self.lib["layer"], ctypes.byref(step), x.data_ptr(), policy.threads
-        unset = object()
-        last = (unset, unset, unset)  # the rotary table, KV group and window the step's fields hold now
-        for i, (entry, layer) in enumerate(zip(self._plan(cache, k_fmt, v_fmt), model.layers)):
-            if entry.deltanet:
-                index = layer.attn.state_index
-                step.conv_state, step.ssm_state = cache.states.conv[index].data_ptr(), cache.states.ssm[index].data_ptr()
-            else:  # only what differs from the layer before is set again
-                if entry.rope is not last[0]:
-                    if entry.rope not in angles:
-                        table = model._rotary_of(entry.rope)
-                        angles[entry.rope] = (table.cos[positions].contiguous(), table.sin[positions].contiguous())
-                    cos, sin = angles[entry.rope]
-                    step.cos, step.signed_sin = cos.data_ptr(), sin.data_ptr()
-                if entry.group != last[1] or entry.window != last[2]:
-                    view = groups[entry.group]
-                    step.slots, step.block_tables, step.table_stride = view.slots, view.tables_ptr, view.stride
-                    step.num_keys, step.first_key = view.num_keys_ptr, view.first_key(entry.window)
-                last = (entry.rope, entry.group, entry.window)
-                step.k, step.v = entry.k, entry.v
-            status = run_layer(entry.desc, step_ref, x_ptr, threads)
+        plan = self._plan(cache, k_fmt, v_fmt)
+        angles, keep = (Angles * max(len(plan.ropes), 1))(), []  # each rotary table's cos/sin at the positions
+        for j, rope in enumerate(plan.ropes):
+            table = model._rotary_of(rope)
+            keep += (cos := table.cos[positions].contiguous(), sin := table.sin[positions].contiguous())
+            angles[j] = Angles(cos.data_ptr(), sin.data_ptr())
+        views = (KVView * max(len(plan.views), 1))()  # each (KV group, window) pair's tables
+        for j, (g, window) in enumerate(plan.views):
+            view = groups[g]
+            views[j] = KVView(view.slots, view.tables_ptr, view.stride, view.num_keys_ptr, view.first_key(window))
+        for i, index in plan.deltanets:  # read each step: the pool's tensors are the cache's to replace
+            entry = plan.entries[i]
+            entry.conv_state, entry.ssm_state = cache.states.conv[index].data_ptr(), cache.states.ssm[index].data_ptr()
+        # all layers in one call, but where a layer has forward hooks: the layers up to it, then its hooks
+        layers, failed, start = model.layers, ctypes.c_int64(), 0
+        for end in sorted({i + 1 for i, layer in enumerate(layers) if layer._forward_hooks} | {len(layers)}):
+            status = self.lib["layers"](ctypes.byref(plan.entries, start * ctypes.sizeof(LayerStep)), end - start, angles,
+                                        views, ctypes.byref(step), x.data_ptr(), policy.threads, ctypes.byref(failed))  # fmt: skip
             if status == -1:
-                self._rank_failed(i)
+                self._rank_failed(start + failed.value)
             if status:
-                raise ValueError(f"layer {i}: the C step refused its Gated DeltaNet's sizes")
-            if layer._forward_hooks:  # what the module's own call would show them: its output [1, B, E]
-                for hook in list(layer._forward_hooks.values()):
-                    hook(layer, (), x[None].clone())
+                raise ValueError(f"layer {start + failed.value}: the C step refused its Gated DeltaNet's sizes")
+            start, layer = end, layers[end - 1]
+            for hook in list(layer._forward_hooks.values()):  # what the module's own call would show: its output [1, B, E]
+                hook(layer, (), x[None].clone())
         x = x[logits_index]  # [S, E]
         t = time.perf_counter() if phases is not None else 0.0
         logits = model.lm_head(model.norm(x[None])).float()  # [1, S, V]
@@ -211,19 +210,10 @@ class CpuDecodeBackend:
             phases[PHASES.index("head")] += time.perf_counter() - t
         return logits
 
-    def _plan(self, cache, k_fmt: int, v_fmt: int) -> list[_LayerEntry]:
-        """Per layer, what its step reads that lasts as long as the cache: its description, its rotary
-        table, KV group and window, its K and V storage (asked once per cache, not per step)."""
+    def _plan(self, cache, k_fmt: int, v_fmt: int) -> _Plan:
+        """What every layer's step reads that lasts as long as the cache (asked once per cache, not per step)."""
         if self._plan_of is None or self._plan_of[0]() is not cache:
-            plan = []
-            for desc, layer in zip(self.layers, self.model.layers):
-                entry = _LayerEntry(ctypes.byref(desc), bool(desc.deltanet))
-                if not entry.deltanet:
-                    kv = layer.attn.layer_index  # its layer among those the cache holds
-                    entry.rope, entry.window, entry.group = layer.attn.rope, layer.attn.window, cache.placement[kv][0]
-                    entry.k, entry.v = _store(k_fmt, cache.k_parts[kv]), _store(v_fmt, cache.v_parts[kv])
-                plan.append(entry)
-            self._plan_of = (weakref.ref(cache), plan)  # the plan's pointers only, never the cache kept alive
+            self._plan_of = (weakref.ref(cache), _Plan(self, cache, k_fmt, v_fmt))  # pointers only: the cache not kept
         return self._plan_of[1]
 
     def _mixer_floats(self, desc: LayerDesc) -> int:
@@ -247,14 +237,33 @@ class CpuDecodeBackend:
                          f"of the tensor-parallel job died or stopped answering within {group.timeout_s:g} s; the job ends")
 
 
-class _LayerEntry:
-    """One layer's share of the step that lasts as long as the cache (CpuDecodeBackend._plan)."""
+class _Plan:
+    """A step's per-layer fields for one cache (step.h's LayerStep, one per layer): each layer's description, K
+    and V storage, and the index of its rotary table (`ropes`) and of its KV group and window (`views`), whose
+    tensors each step looks up once; a DeltaNet layer has neither, its states' pointers are set per step."""
 
-    __slots__ = ("desc", "deltanet", "rope", "window", "group", "k", "v")
+    def __init__(self, backend: CpuDecodeBackend, cache, k_fmt: int, v_fmt: int):
+        self.ropes: list = []  # the rotary tables' keys (the model's _rotary_of), in the order the layers use them
+        self.views: list[tuple[int, int | None]] = []  # (KV group, window) pairs
+        self.deltanets: list[tuple[int, int]] = []  # (layer, its state index) of a hybrid's DeltaNet layers
+        self.entries = (LayerStep * len(backend.layers))()
+        for i, (desc, layer) in enumerate(zip(backend.layers, backend.model.layers)):
+            entry = self.entries[i]
+            entry.layer, entry.angles, entry.view = ctypes.pointer(desc), -1, -1
+            if desc.deltanet:
+                self.deltanets.append((i, layer.attn.state_index))
+                continue
+            kv = layer.attn.layer_index  # its layer among those the cache holds
+            entry.k, entry.v = _store(k_fmt, cache.k_parts[kv]), _store(v_fmt, cache.v_parts[kv])
+            entry.angles = _index(self.ropes, layer.attn.rope)
+            entry.view = _index(self.views, (cache.placement[kv][0], layer.attn.window))
 
-    def __init__(self, desc, deltanet: bool):
-        self.desc, self.deltanet = desc, deltanet
-        self.rope = self.window = self.group = self.k = self.v = None
+
+def _index(keys: list, key) -> int:
+    """key's place in keys, added at the end the first time"""
+    if key not in keys:
+        keys.append(key)
+    return keys.index(key)
 
 
 class _GroupView:

@@ -94,6 +94,27 @@ class StepDesc(ctypes.Structure):
                 ("mixer_scratch", ctypes.c_void_p), ("phase_seconds", ctypes.c_void_p)]  # fmt: skip
 
 
+class Angles(ctypes.Structure):
+    """One rotary table's angles at a step's positions (step.h's Angles)."""
+
+    _fields_ = [("cos", ctypes.c_void_p), ("signed_sin", ctypes.c_void_p)]
+
+
+class KVView(ctypes.Structure):
+    """One KV group's tables as a layer with one window reads them (step.h's KVView: StepDesc's fields)."""
+
+    _fields_ = [("slots", ctypes.c_void_p), ("block_tables", ctypes.c_void_p), ("table_stride", ctypes.c_int64),
+                ("num_keys", ctypes.c_void_p), ("first_key", ctypes.c_void_p)]  # fmt: skip
+
+
+class LayerStep(ctypes.Structure):
+    """What differs from layer to layer in a step (step.h's LayerStep): the layer, its K/V storage, its
+    angles and KV view (indices into the step's tables, -1: none), a DeltaNet's states."""
+
+    _fields_ = [("layer", ctypes.POINTER(LayerDesc)), ("k", KVStore), ("v", KVStore), ("angles", ctypes.c_int32),
+                ("view", ctypes.c_int32), ("conv_state", ctypes.c_void_p), ("ssm_state", ctypes.c_void_p)]  # fmt: skip
+
+
 MAX_HEAD_DIM = 512  # decode.c's row buffers
 
 
@@ -124,7 +145,8 @@ def _names(what: str) -> dict[str, int]:
 
 
 STRUCTS = {"Part": Part, "LinearDesc": LinearDesc, "LayerDesc": LayerDesc, "KVStore": KVStore, "StepDesc": StepDesc,
-           "ReduceDesc": ReduceDesc, "MoeDesc": MoeDesc, "DeltaNetDesc": DeltaNetDesc}
+           "ReduceDesc": ReduceDesc, "MoeDesc": MoeDesc, "DeltaNetDesc": DeltaNetDesc, "Angles": Angles, "KVView": KVView,
+           "LayerStep": LayerStep}  # fmt: skip
 
 
 def struct_mismatch(lib) -> str | None:

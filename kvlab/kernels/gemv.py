@@ -143,7 +143,8 @@ def _load() -> None:
     _quant["gated"] = _bind(lib, "kvlab_quant_gated", [pointer] * 2 + [int64] + [pointer] * 2 + [int64] * 2 + [ctypes.c_int] * 2, ctypes.c_int)
     _quant["interleave"] = _bind(lib, "kvlab_quant_interleave", [ctypes.c_int, pointer, int64, int64, int64, pointer], int64)
     _quant["dequantize"] = _bind(lib, "kvlab_quant_dequantize", [ctypes.c_int, pointer, int64, pointer] + [int64] * 3 + [ctypes.c_int], ctypes.c_int)
-    _decode["layer"] = _bind(lib, "kvlab_decode_layer", [pointer] * 3 + [ctypes.c_int], ctypes.c_int)
+    _decode["layers"] = _bind(lib, "kvlab_decode_layers", [pointer, int64, pointer, pointer, pointer, pointer, ctypes.c_int,
+                                                           pointer], ctypes.c_int)  # fmt: skip
     _decode["scratch_floats"] = _bind(lib, "kvlab_decode_scratch_floats", [int64] * 7, int64)
     _decode["kv_encode"] = _bind(lib, "kvlab_kv_encode", [ctypes.c_int, pointer, int64, int64, pointer, pointer], ctypes.c_int)
     _decode["kv_decode"] = _bind(lib, "kvlab_kv_decode", [ctypes.c_int, pointer, pointer, int64, int64, pointer], ctypes.c_int)

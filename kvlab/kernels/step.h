@@ -153,6 +153,27 @@ typedef struct {
     double* phase_seconds;               // [PHASES]: each part's wall time added here (decode.c), or NULL: none timed
 } Step;
 
+// A run of layers in one call (kvlab_decode_layers): what differs from layer to layer is in its LayerStep,
+// the step's fields set from it before the layer runs: its K/V storage, its rotary table's angles and its
+// KV group's view (indices into the step's tables, −1 for a DeltaNet layer, which has neither) or a
+// DeltaNet's states.
+typedef struct {
+    const float *cos, *signed_sin;  // [B, rotary dim]: one rotary table's angles at the step's positions
+} Angles;
+
+typedef struct {  // one KV group's tables as a layer with one window reads them (Step's fields of the same names)
+    const int64_t *slots, *block_tables;
+    int64_t table_stride;
+    const int64_t *num_keys, *first_key;
+} KVView;
+
+typedef struct {
+    const Layer* layer;
+    KVStore k, v;
+    int32_t angles, view;            // indices into the step's Angles and KVView tables, or −1
+    float *conv_state, *ssm_state;   // a DeltaNet layer's states, or NULL
+} LayerStep;
+
 // The parts of a layer a step can time (Step.phase_seconds): its matrix products (a mixture's experts
 // too), its mixer (attention with RoPE and the new K/V's writes, or a Gated DeltaNet with its own products), the rest (norms,
 // residuals, the gated activation, all-reduces). kvlab/backends/cpu.py names them in this order.

@@ -7,7 +7,7 @@ Every caller of the model (the serving engine's runner, the reference engine, th
 goes through it, so the device's ops (kvlab/backends/ops.py: which code computes a module's products
 and small ops, chosen here once), the thread policy (its engine's own: kvlab.kernels.policy), inference
 mode and the plan → forward → commit order live in one place. A paged decode step runs on the model's decode
-backend (kvlab/backends: on a CPU each decoder layer one C call) where there is one, else the modules.
+backend (kvlab/backends: on a CPU a step's decoder layers in one C call) where there is one, else the modules.
 """
 
 from __future__ import annotations
