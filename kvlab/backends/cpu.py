@@ -190,10 +190,11 @@ class CpuDecodeBackend:
             entry = plan.entries[i]
             entry.conv_state, entry.ssm_state = cache.states.conv[index].data_ptr(), cache.states.ssm[index].data_ptr()
         # all layers in one call, but where a layer has forward hooks: the layers up to it, then its hooks
-        layers, failed, start = model.layers, ctypes.c_int64(), 0
+        layers, failed, start, run_layers = model.layers, ctypes.c_int64(), 0, self.lib["layers"]
         for end in sorted({i + 1 for i, layer in enumerate(layers) if layer._forward_hooks} | {len(layers)}):
-            status = self.lib["layers"](ctypes.byref(plan.entries, start * ctypes.sizeof(LayerStep)), end - start, angles,
-                                        views, ctypes.byref(step), x.data_ptr(), policy.threads, ctypes.byref(failed))  # fmt: skip
+            first = ctypes.byref(plan.entries, start * ctypes.sizeof(LayerStep))
+            status = run_layers(first, end - start, angles, views, ctypes.byref(step), x.data_ptr(), policy.threads,
+                                ctypes.byref(failed))  # fmt: skip
             if status == -1:
                 self._rank_failed(start + failed.value)
             if status:

@@ -93,7 +93,8 @@ class BenchResult:
             ("prefix-cache hit rate", hit),
         ]
         if s["prompt_step_s"] is not None and s["duration_s"]:
-            rows.append(("steps with prompt tokens", f"{s['prompt_step_s']:.2f} s ({s['prompt_step_s'] / s['duration_s']:.0%} of the run)"))
+            share = s["prompt_step_s"] / s["duration_s"]
+            rows.append(("steps with prompt tokens", f"{s['prompt_step_s']:.2f} s ({share:.0%} of the run)"))
         width = max(len(k) for k, _ in rows)
         return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 

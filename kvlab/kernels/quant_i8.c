@@ -1116,7 +1116,7 @@ static inline __attribute__((always_inline)) void half_rows(const Product* p, co
                                             : _mm256_maddubs_epi16(w[hh], xv);
                 s16[u] = k % K16 ? _mm256_add_epi16(s16[u], prod) : prod;
                 if (k % K16 == K16 - 1 || k == NW - 1) {  // the 16-bit sums into 32 bits, from −off·sum(q)
-                    const __m256i part = _mm256_madd_epi16(s16[u], ones);  // (0 with a min: no add, 5% at 16 rows)
+                    const __m256i part = _mm256_madd_epi16(s16[u], ones);  // with a min, −off·sum(q) is 0: not added
                     s[u] = k >= K16 ? _mm256_add_epi32(s[u], part)
                            : SIGNED || MIN ? part : _mm256_add_epi32(_mm256_set1_epi32(xs[i].neg_off), part);
                 }
