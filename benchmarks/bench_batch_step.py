@@ -42,11 +42,17 @@ def decode_steps(llm: LLM, batch: int, steps: int, prompt_len: int, seed: int) -
     engine = llm.engine
     g = torch.Generator().manual_seed(seed)
     vocab = min(llm.config.vocab_size, 30000)
-    params = SamplingParams(max_tokens=steps + 2, temperature=0, ignore_eos=True)
-    for b in range(batch):
-        engine.add_request(torch.randint(100, vocab, (prompt_len,), generator=g).tolist(), params)
+    # while the later prompts are prefilled the earlier ones decode, a token a step: each may take what its
+    # context leaves, and is aborted once the timed steps are done
+    params = SamplingParams(max_tokens=engine.pool_plan.max_model_len - prompt_len, temperature=0, ignore_eos=True)
+    ids = [engine.add_request(torch.randint(100, vocab, (prompt_len,), generator=g).tolist(), params)
+           for _ in range(batch)]  # fmt: skip
     while engine.num_waiting or any(r.num_output_tokens == 0 for r in engine.scheduler.running):
         engine.step()  # prefill (and the first token)
+    decoding = len(engine.scheduler.running)
+    if decoding != batch:
+        raise SystemExit(f"{decoding} of the {batch} sequences were left to decode after the prompts (the KV pool, or "
+                         f"their context): not a step of {batch}")  # fmt: skip
     times = []
     backend = engine.runner.driver.decode_path().backend
     with backend.phase_clock() if backend is not None else contextlib.nullcontext(None) as phases:
@@ -55,8 +61,10 @@ def decode_steps(llm: LLM, batch: int, steps: int, prompt_len: int, seed: int) -
             engine.step()
             times.append(time.perf_counter() - t0)
         split = [0.0] * len(PHASES) if phases is None else (phases / steps).tolist()
-    while engine.has_unfinished_requests:
-        engine.step()
+    if len(engine.scheduler.running) != batch:
+        raise SystemExit(f"a sequence ended or was preempted during the timed steps of {batch}: their context is too short")
+    for rid in ids:
+        engine.abort_request(rid)
     return times, split
 
 
@@ -76,7 +84,10 @@ def main() -> int:
     print(f"# {cpu_model()}, {args.threads} threads, KV cache {args.kv_cache_dtype}; step = wall time of engine.step() "
           "with B sequences decoding")
     for model in args.models:
-        llms = {s: LLM(model, threads=args.threads, activation_quant=SETTINGS[s], max_model_len=1024,
+        # each sequence's prompt, the tokens it decodes while the others' prompts are prefilled (a step's budget
+        # of 512 tokens, less the decodes' rows: under prompt_len · B / 128), and the timed steps
+        context = max(1024, args.prompt_len + args.prompt_len * max(args.batches) // 128 + args.steps + 8)
+        llms = {s: LLM(model, threads=args.threads, activation_quant=SETTINGS[s], max_model_len=context,
                        enable_prefix_caching=False, kv_cache_dtype=args.kv_cache_dtype) for s in args.settings}  # fmt: skip
         samples = {(s, b): [] for s in args.settings for b in args.batches}
         splits = {(s, b): [] for s in args.settings for b in args.batches}
