@@ -244,8 +244,8 @@ class _Plan:
     tensors each step looks up once; a DeltaNet layer has neither, its states' pointers are set per step."""
 
     def __init__(self, backend: CpuDecodeBackend, cache, k_fmt: int, v_fmt: int):
-        self.ropes: list = []  # the rotary tables' keys (the model's _rotary_of), in the order the layers use them
-        self.views: list[tuple[int, int | None]] = []  # (KV group, window) pairs
+        self.ropes: dict = {}  # each rotary table's key (the model's _rotary_of) → its index, in the layers' order
+        self.views: dict[tuple[int, int | None], int] = {}  # each (KV group, window) pair → its index
         self.deltanets: list[tuple[int, int]] = []  # (layer, its state index) of a hybrid's DeltaNet layers
         self.entries = (LayerStep * len(backend.layers))()
         for i, (desc, layer) in enumerate(zip(backend.layers, backend.model.layers)):
@@ -256,15 +256,8 @@ class _Plan:
                 continue
             kv = layer.attn.layer_index  # its layer among those the cache holds
             entry.k, entry.v = _store(k_fmt, cache.k_parts[kv]), _store(v_fmt, cache.v_parts[kv])
-            entry.angles = _index(self.ropes, layer.attn.rope)
-            entry.view = _index(self.views, (cache.placement[kv][0], layer.attn.window))
-
-
-def _index(keys: list, key) -> int:
-    """key's place in keys, added at the end the first time"""
-    if key not in keys:
-        keys.append(key)
-    return keys.index(key)
+            entry.angles = self.ropes.setdefault(layer.attn.rope, len(self.ropes))
+            entry.view = self.views.setdefault((cache.placement[kv][0], layer.attn.window), len(self.views))
 
 
 class _GroupView:
