@@ -114,6 +114,32 @@ def test_run_names_the_setting_and_quality_advice_asks_for_its_measurement(gguf_
     assert note and "kvlab quality m --activation-quant int8" in note.replace("  ", " ")
 
 
+def test_the_lab_measures_the_setting_it_is_given(gguf_file, tmp_path, capsys):
+    """`kvlab lab batching --activation-quant int8`: the engine's decode steps on the interleaved products
+    (`kvlab serve --activation-quant int8`'s path), the setting in results.json and in the command that
+    repeats the run; a model with no blocks is refused in one line."""
+    from kvlab.cli import main
+
+    quick = ["--quick", "--repeat", "1", "--no-progress", "--threads", "1"]
+    out = tmp_path / "lab"
+    assert main(["lab", "batching", "--model", str(gguf_file), "--out", str(out), "--activation-quant", "int8", *quick]) == 0
+    results = json.loads((out / "results.json").read_text())
+    assert "int8 activations" in results["model"]["weight_format"]
+    assert results["settings"]["activation_quant"] == "int8" and "--activation-quant int8" in results["command"]
+    steps = results["experiments"]["batching"]["decode_steps"]
+    assert steps and all(p["pure_decode"] and p["backend_steps"] == p["timed_steps"] for p in steps), steps
+    # the exact run into the same folder measures anew rather than keeping the int8 run's figures
+    assert main(["lab", "phases", "--model", str(gguf_file), "--out", str(out), *quick]) == 0
+    again = json.loads((out / "results.json").read_text())
+    assert set(again["experiments"]) == {"phases"} and "int8" not in again["model"]["weight_format"]
+    plain = build_tiny("llama", tmp_path / "plain")
+    capsys.readouterr()
+    bad = subprocess.run([sys.executable, "-m", "kvlab", "lab", "batching", "--model", str(plain), "--out",
+                          str(tmp_path / "bad"), "--activation-quant", "int8", *quick],
+                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr and "GGUF block formats" in bad.stderr, bad.stderr
+
+
 @pytest.mark.parametrize("experts_type", ["Q8_0", "Q4_0"])
 def test_experts_are_interleaved_too_and_sixteen_together_give_each_ones_tokens(tmp_path, experts_type):
     """A mixture of experts: every expert's blocks interleaved (stacked [E, items, item bytes]), the C step's

@@ -48,6 +48,9 @@ def register(subparsers) -> None:
     p.add_argument("--dtype", default="float32", help=f"weights' dtype: {', '.join(DTYPE_NAMES)} (default float32)")
     p.add_argument("--threads", metavar="N",
                    help="CPU threads (default: one per core, fewer when other programs keep cores busy)")
+    p.add_argument("--activation-quant", choices=["int8"],
+                   help="int8: the model's products over GGUF blocks with 8-bit activations, as `kvlab serve "
+                        "--activation-quant int8` runs them (not exact; default: exact float32 activations)")
     p.add_argument("--compare", metavar="LIB", help="`transformers`: repeat phases and cache with transformers")
     p.add_argument("--max-prompt", metavar="T",
                    help="longest prompt to prefill; longer sizes are skipped and listed in the report")
@@ -68,6 +71,7 @@ class Settings:
     max_prompt: int | None
     max_point_s: float
     seed: int
+    activation_quant: str | None = None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -102,6 +106,7 @@ def parse_settings(args) -> Settings:
         threads=positive_int(args.threads, "--threads") if args.threads else None, compare=args.compare,
         max_prompt=positive_int(args.max_prompt, "--max-prompt") if args.max_prompt else None,
         max_point_s=positive_float(args.max_point_s, "--max-point-s"), seed=positive_int(args.seed, "--seed", 0),
+        activation_quant=getattr(args, "activation_quant", None),
     )  # fmt: skip
 
 
@@ -135,7 +140,7 @@ def command_line(args, settings: Settings, out: Path) -> str:
     words = ["kvlab", "lab", args.experiment, "--model", args.model, "--out", str(out), "--repeat", str(settings.repeat)]
     words += ["--dtype", settings.dtype, "--max-point-s", f"{settings.max_point_s:g}", "--seed", str(settings.seed)]
     for flag, value in (("--threads", settings.threads), ("--max-prompt", settings.max_prompt),
-                        ("--compare", settings.compare)):  # fmt: skip
+                        ("--compare", settings.compare), ("--activation-quant", settings.activation_quant)):  # fmt: skip
         if value:
             words += [flag, str(value)]
     return shlex.join(words + (["--quick"] if settings.quick else []))
@@ -165,6 +170,10 @@ def run_experiments(args, names: list[str], settings: Settings) -> int:
     machine = machine_facts()  # before loading: free RAM and load average as the run found them
     before_load = cpu_load.snapshot()
     loaded = load_model(args.model, dtype=settings.dtype)
+    if settings.activation_quant:  # every experiment on the lab's own model then measures that setting
+        from kvlab.quant.activations import with_int8_activations
+
+        loaded = with_int8_activations(loaded)
     if not any(isinstance(layer.mixer, Attention) for layer in loaded.config.layers):
         raise KvlabError(f"kvlab lab measures softmax-attention models; {args.model} has "
                          f"{', '.join(loaded.config.count_by_label())} layers (kv-verify on another model shows "
@@ -180,8 +189,9 @@ def run_experiments(args, names: list[str], settings: Settings) -> int:
     }  # fmt: skip
     if (out / "results.json").exists():  # keep earlier experiments of the same model and sizes
         earlier = load_results(out)
-        same = [earlier["model"]["path"], earlier["model"]["dtype"], earlier["settings"].get("quick")]
-        if same == [results["model"]["path"], settings.dtype, settings.quick]:
+        same = [earlier["model"]["path"], earlier["model"]["dtype"], earlier["settings"].get("quick"),
+                earlier["settings"].get("activation_quant")]  # fmt: skip
+        if same == [results["model"]["path"], settings.dtype, settings.quick, settings.activation_quant]:
             results["experiments"] = earlier["experiments"]
             for data in results["experiments"].values():
                 data.setdefault("command", earlier["command"])  # the report credits the run that measured it
