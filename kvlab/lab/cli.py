@@ -170,14 +170,14 @@ def run_experiments(args, names: list[str], settings: Settings) -> int:
     machine = machine_facts()  # before loading: free RAM and load average as the run found them
     before_load = cpu_load.snapshot()
     loaded = load_model(args.model, dtype=settings.dtype)
-    if settings.activation_quant:  # every experiment on the lab's own model then measures that setting
-        from kvlab.quant.activations import with_int8_activations
-
-        loaded = with_int8_activations(loaded)
     if not any(isinstance(layer.mixer, Attention) for layer in loaded.config.layers):
         raise KvlabError(f"kvlab lab measures softmax-attention models; {args.model} has "
                          f"{', '.join(loaded.config.count_by_label())} layers (kv-verify on another model shows "
                          "DeepSeek-V3's latent cache from its config)")  # fmt: skip
+    if settings.activation_quant:  # every experiment on the lab's own model then measures that setting
+        from kvlab.quant.activations import with_int8_activations
+
+        loaded = with_int8_activations(loaded)
     machine, threads = set_threads(machine, settings, cpu_load.measure(before_load))  # others' load as it loaded
     out = Path(args.out or f"lab-{model_label(args.model)}")
     print(f"kvlab lab: measuring {args.model} with {threads}; results go to {out.resolve()}",
