@@ -10,6 +10,7 @@ directly. Checked here:
     and the new token's codes and scales written into layer 0 byte for byte the module path's, for
     each format, mixed K/V formats, rotation off, on and auto (K and V rotated apart);
   - past 128 keys (attention in chunks, merged): the same, and the same bits at 1 and 2 threads;
+  - float rows read in place (attend_rows) give the general attention's bits;
   - served greedily for 32 tokens, fused and module paths give the same tokens, for each format,
     mixed K/V formats, with and without the Hadamard rotation;
   - a float16 cache, which decode.c does not read, runs the modules.
@@ -24,7 +25,7 @@ from kvlab.config import EngineConfig
 from kvlab.engine import LLMEngine
 from kvlab.kernels import ThreadPolicy
 from kvlab.backends.cpu import CpuDecodeBackend
-from kvlab.kernels.decode import kv_format_ids, library
+from kvlab.kernels.decode import attention_rows, kv_format_ids, library
 from kvlab.kv.formats import KV_FORMATS, hadamard, unrotated
 from kvlab.model.loader import load_model
 from kvlab.sampling import SamplingParams
@@ -239,6 +240,35 @@ def test_keys_in_several_chunks_merge_as_one_softmax(model, k, v, monkeypatch):
         assert logits[1][0] == logits[threads][0]
         assert len(logits[1][1]) == len(logits[threads][1]) > 0
         assert all(torch.equal(a, b) for a, b in zip(logits[1][1], logits[threads][1]))
+
+
+@pytest.mark.parametrize("fmt", ["float32", "bfloat16", "float16"])
+def test_rows_read_in_place_give_the_general_attentions_bits(model, fmt):
+    """Float rows (float32, bfloat16, float16; head_dim 64, 128 or 256, AVX-512) are read where they lie
+    by attention.c's attend_rows, the general attend decoding each into a buffer: every step's logits the
+    same bits either way, over sequences of one chunk and of several, of different lengths, at 1 and 2
+    threads (items of whole (sequence, chunk) pairs, or of a kv head's query heads)."""
+    was = attention_rows(True)
+    if was is None:
+        pytest.skip("this build has no in-place rows form (no AVX-512)")
+    batch = long_prompts() + prompts(3, seed=5)
+    try:
+        logits = {}
+        for on in (True, False):
+            attention_rows(on)
+            for threads in (1, 2):
+                engine = engine_for(model, fmt, fmt, "off", fused=True)
+                engine.runner.driver.policy.threads = threads
+                record, forward = [], engine.runner.forward
+                engine.runner.forward = lambda inputs: record.append(forward(inputs).clone()) or record[-1]
+                logits[on, threads] = (serve(engine, batch, max_tokens=5), record)
+    finally:
+        attention_rows(was)
+    reference = logits[False, 1]
+    assert len(reference[1]) >= 5
+    for key, (tokens, steps) in logits.items():
+        assert tokens == reference[0], key
+        assert len(steps) == len(reference[1]) and all(torch.equal(a, b) for a, b in zip(steps, reference[1])), key
 
 
 @pytest.mark.parametrize("rotation", ["off", "on"])

@@ -144,6 +144,15 @@ def _names(what: str) -> dict[str, int]:
     return ids
 
 
+def attention_rows(on: bool) -> bool | None:
+    """Whether the decode step's attention may read float32 / bfloat16 / float16 rows in place
+    (attention.c's attend_rows: the same bits as its general form, faster); returns the setting it
+    replaces, None where this build has no such form (no AVX-512) or no library. The tests' seam."""
+    lib = library()
+    was = lib["attention_rows"](int(on)) if lib else -1
+    return None if was < 0 else bool(was)
+
+
 STRUCTS = {"Part": Part, "LinearDesc": LinearDesc, "LayerDesc": LayerDesc, "KVStore": KVStore, "StepDesc": StepDesc,
            "ReduceDesc": ReduceDesc, "MoeDesc": MoeDesc, "DeltaNetDesc": DeltaNetDesc, "Angles": Angles, "KVView": KVView,
            "LayerStep": LayerStep}  # fmt: skip

@@ -149,6 +149,7 @@ def _load() -> None:
     _decode["kv_encode"] = _bind(lib, "kvlab_kv_encode", [ctypes.c_int, pointer, int64, int64, pointer, pointer], ctypes.c_int)
     _decode["kv_decode"] = _bind(lib, "kvlab_kv_decode", [ctypes.c_int, pointer, pointer, int64, int64, pointer], ctypes.c_int)
     _decode["hadamard"] = _bind(lib, "kvlab_hadamard_f32", [pointer, int64, int64])
+    _decode["attention_rows"] = _bind(lib, "kvlab_attention_rows", [ctypes.c_int], ctypes.c_int)
     _decode["kv_format"] = _bind(lib, "kvlab_kv_format", [ctypes.c_int], ctypes.c_char_p)
     _decode["activation"] = _bind(lib, "kvlab_decode_activation", [ctypes.c_int], ctypes.c_char_p)
     _decode["struct_sizes"] = _bind(lib, "kvlab_decode_struct_sizes", [pointer])
