@@ -9,7 +9,8 @@ loader dequantizes every tensor; cached under ~/.cache/kvlab-bench/hf). Then per
 start side by side on loopback: `kvlab serve` on the GGUF (its default weights, --threads) and vLLM's
 OpenAI server on the export (bfloat16, its threads bound to the cores with VLLM_CPU_OMP_THREADS_BIND,
 tcmalloc and Intel OpenMP preloaded as vLLM's docs recommend; see shared/research/vllm-serving.md).
-Each round sends every workload to both, the engine order alternating from round to round, with two
+Each round sends every workload to both, the engine order alternating from round to round, each run
+started once the machine is quiet (vLLM keeps a core busy for a second or so after a burst), with two
 load generators:
   - vllm:  vLLM's own benchmark (`vllm bench serve`: the random dataset, all requests at once,
            greedy, ignore_eos), its numbers as it reports them
@@ -268,6 +269,30 @@ def load_average() -> str:
     return "/".join(f"{x:.2f}" for x in os.getloadavg())
 
 
+def cpu_busy(window_s: float) -> float:
+    """The share of the machine's CPU time that was busy over the next window_s seconds (/proc/stat)."""
+
+    def sample() -> tuple[int, int]:
+        with open("/proc/stat") as f:
+            ticks = [int(x) for x in f.readline().split()[1:]]
+        return sum(ticks), ticks[3] + ticks[4]  # all, idle + iowait
+
+    total0, idle0 = sample()
+    time.sleep(window_s)
+    total1, idle1 = sample()
+    return 1 - (idle1 - idle0) / max(total1 - total0, 1)
+
+
+def settle(limit_s: float = 20.0, busy: float = 0.15) -> float:
+    """Wait until the machine is quiet (two quarter-seconds in a row under `busy`), at most limit_s; the
+    seconds waited. After a burst vLLM's processes keep a core busy for another second or so (1.0-1.3 s,
+    measured on the Zen 5 VM): a run started at once would share the cores with them."""
+    start, quiet = time.perf_counter(), 0
+    while quiet < 2 and time.perf_counter() - start < limit_s:
+        quiet = quiet + 1 if cpu_busy(0.25) < busy else 0
+    return time.perf_counter() - start
+
+
 def bench_model(model: str, args, log_dir: Path) -> dict:
     name = model  # both servers answer to the registry name
     export_dir = export(model, args.export_root / f"{model}-bf16")
@@ -291,11 +316,12 @@ def bench_model(model: str, args, log_dir: Path) -> dict:
                     seed = 1000 * (r + 1) + si  # fresh prompts every round: no prefix-cache reuse
                     for engine in order:
                         url = servers[engine].url
+                        waited = settle() if Path("/proc/stat").exists() else 0.0
                         t = time.perf_counter()
                         res = (kvlab_client(url, name, n, n_in, n_out, seed) if client == "kvlab"
                                else vllm_client(url, name, n, n_in, n_out, seed, args, export_dir))  # fmt: skip
                         res.update(round=r, shape=f"{n}x{n_in}x{n_out}", client=client, engine=engine,
-                                   wall_s=time.perf_counter() - t, load=load_average())  # fmt: skip
+                                   wall_s=time.perf_counter() - t, load=load_average(), settled_s=waited)  # fmt: skip
                         entry["runs"].append(res)
                         print(f"  {model} round {r + 1} {n}×({n_in} in, {n_out} out) {client} client → {engine:5s}: "
                               f"{res['output_tok_s']:7.1f} output tok/s, TTFT p50 {fmt(res['ttft_p50_ms'])} ms, "

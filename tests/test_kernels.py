@@ -236,3 +236,51 @@ def test_c_gated_activation_matches_pytorch(rows, intermediate, activation):
     assert got.shape == (rows, intermediate) and torch.isfinite(got).all()
     # act(g) / g lies in [0, 1]: |g · up| is the scale of each value's rounding
     assert ((got.double() - act * up).abs() <= 1e-6 * (gate * up).abs() + 1e-37).all()
+
+
+def _causal_mask(B: int, T: int, L: int, window: int | None = None) -> torch.Tensor:
+    q, k = torch.arange(L - T, L)[:, None], torch.arange(L)[None, :]
+    visible = (k <= q) & (k > q - window) if window else k <= q
+    return visible[None, None].expand(B, 1, T, L).clone()
+
+
+@needs_kernel
+@pytest.mark.parametrize("B, H, Hkv, T, L, D", [(8, 9, 3, 64, 64, 64), (2, 14, 2, 40, 300, 64), (1, 4, 4, 70, 70, 128),
+                                                 (3, 6, 2, 5, 9, 32), (2, 4, 1, 33, 33, 80), (1, 2, 1, 3, 3, 256)])  # fmt: skip
+@pytest.mark.parametrize("masked", ["causal", "mask", "window"])
+def test_c_prompt_attention_matches_sdpa(B, H, Hkv, T, L, D, masked):
+    """kernels/gemv.py's prompt_attention (attention.c) against PyTorch's SDPA: grouped query heads, queries
+    after cached keys, a mask (padding past one sequence's end, a sliding window), head sizes on and off the
+    vector widths, q, k and v at the strides the modules hand over (views into fused products)."""
+    g = torch.Generator().manual_seed(B * 100 + T)
+    q = torch.randn(B, T, H, D, generator=g).transpose(1, 2)  # the modules' [B, H, T, D] view
+    kv = torch.randn(B, L, 2 * Hkv, D, generator=g)
+    k, v = kv[:, :, :Hkv].transpose(1, 2), kv[:, :, Hkv:].transpose(1, 2)
+    mask = None
+    if masked == "mask" or T < L:
+        mask = _causal_mask(B, T, L)
+        if B > 1:
+            mask[1, :, :, -2:] = False  # a second sequence two keys shorter: padding past its end
+            mask[1, :, :, 0] = True  # (every query still sees a key)
+    if masked == "window":
+        mask = _causal_mask(B, T, L, window=7)
+    with ThreadPolicy(threads=2).applied():
+        got = gemv.prompt_attention(q, k, v, mask, 0.125)
+    assert got is not None and got.shape == (B, H, T, D)
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=True, scale=0.125)
+    torch.testing.assert_close(got, ref, rtol=0, atol=2e-5)
+    # each sequence's rows are its own: alone, the same bits as among the others
+    with ThreadPolicy(threads=1).applied():
+        alone = gemv.prompt_attention(q[-1:], k[-1:], v[-1:], None if mask is None else mask[-1:], 0.125)
+    assert torch.equal(alone, got[-1:])
+
+
+@needs_kernel
+def test_c_prompt_attention_leaves_what_it_does_not_take_to_pytorch():
+    q, k = torch.randn(1, 4, 3, 16), torch.randn(1, 2, 3, 16)
+    assert gemv.prompt_attention(q.double(), k.double(), k.double(), None, 0.25) is None  # float32 only
+    assert gemv.prompt_attention(q, torch.randn(1, 3, 3, 16), torch.randn(1, 3, 3, 16), None, 0.25) is None  # 4 % 3
+    assert gemv.prompt_attention(q, k, k, torch.ones(1, 1, 3, 3), 0.25) is None  # a float mask
+    assert gemv.prompt_attention(q, k, torch.randn(1, 2, 3, 8), None, 0.25) is None  # v's width differs
+    with ThreadPolicy(threads=2, use_kernels=False).applied():
+        assert gemv.prompt_attention(q, k, k, None, 0.25) is None  # the policy keeps the kernels off

@@ -10,7 +10,8 @@ is not theirs to decide by looking at a tensor's device. They ask the ops in for
 - `TorchOps` is PyTorch's own code and runs on any device. It is also what a module runs when it is
   called outside a driver (a test poking one layer): correct anywhere, never fast by accident.
 - `CpuOps` hands decode-sized passes to the C kernels (kvlab/kernels/: the streaming GEMV, the block
-  formats' products, the small ops of a decode step, the Gated DeltaNet's and the experts' C calls)
+  formats' products, the small ops of a decode step, a prompt's attention, the Gated DeltaNet's and the
+  experts' C calls)
   where the thread policy in force says so, and names the C decode backend (backends/cpu.py).
 - `CudaOps` is today PyTorch's code with GGUF blocks kept on the device (dequantized per layer); a CUDA
   fast path is its methods overridden here, and a CUDA decode backend a file beside cpu.py that its
@@ -111,6 +112,14 @@ class TorchOps:
     def deltanet_applies(self, conv: torch.Tensor, ssm: torch.Tensor, rows: int) -> bool:
         """Whether a Gated DeltaNet decode segment of `rows` sequences runs as one C call."""
         return False
+
+    # ---- attention ------------------------------------------------------------------------------------
+
+    def prompt_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                         scale: float) -> torch.Tensor | None:
+        """Attention of a pass of several new queries per sequence (model/attention.py's sdpa_attention: q
+        [B, H, T, D], k and v [B, Hkv, L, D], a causal `mask` or none), or None: the caller runs PyTorch's."""
+        return None
 
     # ---- sampling ---------------------------------------------------------------------------------------
 
@@ -226,6 +235,11 @@ class CpuOps(TorchOps):
         from kvlab.kernels.gemv import small_ops_apply
 
         return small_ops_apply(x, tokens)
+
+    def prompt_attention(self, q, k, v, mask, scale):
+        from kvlab.kernels.gemv import prompt_attention
+
+        return prompt_attention(q, k, v, mask, scale)
 
     def deltanet_applies(self, conv, ssm, rows):
         from kvlab.kernels import deltanet

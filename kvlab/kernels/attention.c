@@ -1,6 +1,7 @@
 // Attention of a decode step over the paged cache, straight from its stored codes (step.h's Step).
 
 #include <math.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "step.h"
@@ -60,7 +61,7 @@ static inline v8f sums8(const v8f* acc) {
 }
 
 // The dots of one query with 8 keys k[0..7] (D floats each): eight accumulators, then sums8
-static inline v8f dot8(const float* q, const float* const k[8], int64_t D) {
+static inline __attribute__((always_inline)) v8f dot8(const float* q, const float* const k[8], int64_t D) {
     v8f acc[8] = {{0}};
     for (int64_t i = 0; i + 8 <= D; i += 8) {
         const v8f x = load8(q + i);
@@ -94,7 +95,7 @@ static inline void store16(float* p, v16f v) { memcpy(p, &v, sizeof v); }
 #define WIDE 0
 #endif
 
-static inline v8f dot8_wide(const float* q, const float* const k[8], int64_t D) {
+static inline __attribute__((always_inline)) v8f dot8_wide(const float* q, const float* const k[8], int64_t D) {
     v8f half[8];
 #if WIDE
     v16f acc[8] = {{0}};
@@ -585,4 +586,133 @@ void kvlab_decode_attention(const Layer* L, const Step* S, const float* qkv, flo
     const PoolTask rows = rows_form(L, S, ahead);
     kvlab_pool_run(rows ? rows : ahead ? attend_ahead : attend_in_cache, &a, (uint32_t)(pairs * parts), 1, threads);
     merge(&a);
+}
+
+// ---- a prompt's attention: T new queries per sequence over its L keys (the modules' passes) ------------
+//
+// What PyTorch's scaled_dot_product_attention computes for the model's prompt passes (kernels/gemv.py's
+// prompt_attention), on the kernels' pool rather than on PyTorch's OpenMP threads: its CPU kernel took
+// ~1.2 ms a layer for 8 sequences of 64 tokens (SmolLM2's 9 heads), and its threads spun on the cores
+// between the pool's products. One work item per (sequence, query head, QUERY_TILE queries); each query
+// alone: its scores over the keys its causal position allows (and the mask, where there is one), their
+// softmax from the largest, the weighted sum of the values. A query's numbers depend on nothing but its
+// own row, its keys and values: the same bits in any batch, at any thread count.
+#define QUERY_TILE 32
+
+typedef struct {
+    const float *q, *k, *v;
+    const uint8_t* mask;  // [b, t, L] bool, True where a query may look (b and t at their strides), or NULL
+    float* out;           // [B, H, T, D]
+    int64_t B, H, Hkv, T, L, D;
+    int64_t qs[3], ks[3], vs[3], ms[2];  // strides (floats; bytes for the mask) of b, head, token / b, t
+    float scale;
+    int failed;  // a thread found no memory for its scores
+} Prompt;
+
+// o [D] (zeros) += Σ_j w[j] · v_j over keys j < n (row j at V + j · stride), the sums in registers: two
+// sets, even and odd keys, added at the end (one set waited on its own FMAs; o summed in memory key after
+// key waited on its stores: 45% of the kernel's time on one store). NV vectors of VW lanes make a row.
+#if defined(__AVX512F__)
+typedef v16f vrow;
+#define VW 16
+#else
+typedef v8f vrow;
+#define VW 8
+#endif
+static inline vrow load_row(const float* p) {
+    vrow v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+static inline __attribute__((always_inline)) void weighted_rows(float* o, const float* w, const float* V, int64_t stride,
+                                                                int64_t n, const int NV) {
+    vrow a[16], b[16];
+    for (int i = 0; i < NV; i++) a[i] = b[i] = (vrow){0};
+    int64_t j = 0;
+    for (; j + 2 <= n; j += 2) {
+        const float* v0 = V + j * stride;
+        const float* v1 = v0 + stride;
+        for (int i = 0; i < NV; i++) a[i] += w[j] * load_row(v0 + i * VW), b[i] += w[j + 1] * load_row(v1 + i * VW);
+    }
+    if (j < n)
+        for (int i = 0; i < NV; i++) a[i] += w[j] * load_row(V + j * stride + i * VW);
+    for (int i = 0; i < NV; i++) {
+        const vrow sum = a[i] + b[i];
+        memcpy(o + i * VW, &sum, sizeof sum);
+    }
+}
+
+static void weighted_values(float* o, const float* w, const float* V, int64_t stride, int64_t n, int64_t D) {
+    if (D == 4 * VW) weighted_rows(o, w, V, stride, n, 4);
+    else if (D == 8 * VW) weighted_rows(o, w, V, stride, n, 8);
+    else if (D == 16 * VW) weighted_rows(o, w, V, stride, n, 16);
+    else
+        for (int64_t j = 0; j < n; j++) axpy(o, w[j], V + j * stride, D);
+}
+
+static void prompt_items(void* ctx, uint32_t begin, uint32_t end) {
+    const Prompt* p = ctx;
+    const int64_t D = p->D, L = p->L, T = p->T, tiles = (T + QUERY_TILE - 1) / QUERY_TILE, group = p->H / p->Hkv;
+    float* s = malloc((size_t)(L + 8) * sizeof(float));
+    if (!s) {
+        ((Prompt*)ctx)->failed = 1;
+        return;
+    }
+    for (uint32_t item = begin; item < end; item++) {
+        const int64_t tile = item % tiles, h = item / tiles % p->H, b = item / tiles / p->H, g = h / group;
+        const float* K = p->k + b * p->ks[0] + g * p->ks[1];
+        const float* V = p->v + b * p->vs[0] + g * p->vs[1];
+        const int64_t t1 = (tile + 1) * QUERY_TILE < T ? (tile + 1) * QUERY_TILE : T;
+        for (int64_t t = tile * QUERY_TILE; t < t1; t++) {
+            const float* q = p->q + b * p->qs[0] + h * p->qs[1] + t * p->qs[2];
+            const uint8_t* m = p->mask ? p->mask + b * p->ms[0] + t * p->ms[1] : NULL;
+            float* o = p->out + ((b * p->H + h) * T + t) * D;
+            // keys 0 .. n − 1: the masks are causal (no query sees a key after its own position)
+            const int64_t n = t + L - T + 1 < L ? t + L - T + 1 : L;
+            int64_t j = 0;
+            if (D % 8 == 0)
+                for (; j + 8 <= n; j += 8) {
+                    const float* keys[8];
+                    for (int r = 0; r < 8; r++) keys[r] = K + (j + r) * p->ks[2];
+                    store8(s + j, (D % 16 ? dot8(q, keys, D) : dot8_wide(q, keys, D)) * p->scale);
+                }
+            for (; j < n; j++) s[j] = dot(q, K + j * p->ks[2], D) * p->scale;
+            if (m)
+                for (j = 0; j < n; j++) s[j] = m[j] ? s[j] : -INFINITY;
+            const float top = max_of(s, 0, n);
+            memset(o, 0, D * sizeof(float));
+            if (top == -INFINITY) continue;  // no key to look at: zeros (SDPA would give NaN)
+            float sum = 0.0f;
+            v8f sums = {0};
+            for (j = 0; j + 8 <= n; j += 8) {
+                const v8f e = exp8(load8(s + j) - top);
+                store8(s + j, e);
+                sums += e;
+            }
+            sum = hsum8(sums);
+            for (; j < n; j++) {
+                s[j] = s[j] - top < NEGLIGIBLE ? 0.0f : expf(s[j] - top);
+                sum += s[j];
+            }
+            weighted_values(o, s, V, p->vs[2], n, D);
+            const float inv = 1.0f / sum;
+            for (int64_t i = 0; i < D; i++) o[i] *= inv;
+        }
+    }
+    free(s);
+}
+
+// out [B, H, T, D] (contiguous) = softmax(q · kᵀ · scale) · v per query head, q
+// [B, H, T, D], k and v [B, Hkv, L, D] (each the last dimension contiguous, the rest at the strides given,
+// in floats), the T queries the sequences' last: query t at position L − T + t sees keys up to its own,
+// and of those only where mask [b, t, key] (bytes, at strides ms; NULL: no mask) is nonzero. 0, or -1
+// where there was no memory for the scores (out then incomplete).
+int kvlab_prompt_attention(const float* q, const int64_t* qs, const float* k, const int64_t* ks, const float* v,
+                            const int64_t* vs, const uint8_t* mask, const int64_t* ms, float* out, int64_t B, int64_t H,
+                            int64_t Hkv, int64_t T, int64_t L, int64_t D, float scale, int threads) {
+    Prompt p = {q, k, v, mask, out, B, H, Hkv, T, L, D, {qs[0], qs[1], qs[2]}, {ks[0], ks[1], ks[2]},
+                {vs[0], vs[1], vs[2]}, {mask ? ms[0] : 0, mask ? ms[1] : 0}, scale, 0};
+    const int64_t items = B * H * ((T + QUERY_TILE - 1) / QUERY_TILE);
+    kvlab_pool_run(prompt_items, &p, (uint32_t)items, 1, threads);
+    return p.failed ? -1 : 0;
 }

@@ -130,6 +130,8 @@ def _load() -> None:
     _ops["rms_norm"] = _bind(lib, "kvlab_rms_norm_rows", [pointer] * 3 + [int64] * 2 + [ctypes.c_float, ctypes.c_int])
     _ops["rope"] = _bind(lib, "kvlab_rope_rows", [pointer] * 3 + [int64] * 4 + [ctypes.c_int])
     _ops["gated_act"] = _bind(lib, "kvlab_gated_act_rows", [pointer, int64, pointer, int64, pointer] + [int64] * 2 + [ctypes.c_int] * 2)
+    _ops["prompt_attention"] = _bind(lib, "kvlab_prompt_attention", [pointer, pointer] * 3 + [pointer] * 3 + [int64] * 6
+                                     + [ctypes.c_float, ctypes.c_int], ctypes.c_int)  # fmt: skip
     _ops["argmax"] = _bind(lib, "kvlab_argmax_rows", [pointer, int64, int64, pointer, ctypes.c_int])
     _pool["stats"] = _bind(lib, "kvlab_pool_stats", [ctypes.POINTER(_PoolStats)])
     _pool["set_generation"] = _bind(lib, "kvlab_pool_set_generation", [ctypes.c_uint32], ctypes.c_int)
@@ -308,6 +310,35 @@ def gated_act(gate: torch.Tensor, up: torch.Tensor, activation_id: int) -> torch
     _ops["gated_act"](g.data_ptr(), g.stride(0), u.data_ptr(), u.stride(0), y.data_ptr(), rows, intermediate,
                       activation_id, _threads())  # fmt: skip
     return y
+
+
+def prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                     scale: float) -> torch.Tensor | None:
+    """softmax(q · kᵀ · scale) · v [B, H, T, D] for a pass's T new queries per sequence (attention.c's
+    kvlab_prompt_attention, on the kernels' pool): q [B, H, T, D], k and v [B, Hkv, L, D], query t at position
+    L − T + t seeing the keys up to its own and, with `mask` ([1 or B, 1, T, L] bool, True = may look: a causal
+    one), only those. None where the C version does not take the call (not float32 tensors on a CPU, another
+    layout, no kernels): the caller runs PyTorch's."""
+    B, H, T, D = q.shape
+    if k.dim() != 4 or v.shape != k.shape or k.shape[0] != B or k.shape[3] != D or H % k.shape[1]:
+        return None
+    if any(t.dtype != torch.float32 or t.device.type != "cpu" or t.stride(-1) != 1 for t in (q, k, v)):
+        return None
+    L = k.shape[2]
+    if mask is not None:
+        if mask.dtype != torch.bool or mask.dim() != 4 or mask.shape[1:] != (1, T, L) or mask.shape[0] not in (1, B):
+            return None
+        mask = mask if mask.stride(-1) == 1 else mask.contiguous()
+    if not small_ops_apply(q, B * T):
+        return None
+    strides = [(ctypes.c_int64 * 3)(t.stride(0), t.stride(1), t.stride(2)) for t in (q, k, v)]
+    mask_strides = (ctypes.c_int64 * 2)(mask.stride(0) if mask is not None and mask.shape[0] > 1 else 0,
+                                        mask.stride(2) if mask is not None else 0)  # fmt: skip
+    out = torch.empty(B, H, T, D)
+    status = _ops["prompt_attention"](q.data_ptr(), strides[0], k.data_ptr(), strides[1], v.data_ptr(), strides[2],
+                                      mask.data_ptr() if mask is not None else None, mask_strides, out.data_ptr(),
+                                      B, H, k.shape[1], T, L, D, scale, _threads())  # fmt: skip
+    return out if status == 0 else None
 
 
 def argmax_rows(x: torch.Tensor, threads: int) -> torch.Tensor | None:
