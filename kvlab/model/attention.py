@@ -9,8 +9,8 @@ batch of sequences of different lengths, the padding keys past each one's end.
 - `sdpa`: PyTorch's fused scaled_dot_product_attention, which works block by block and never holds
   the whole [T, L] score matrix (the FlashAttention idea). The default. A pass of several new tokens per
   sequence in float32 on a CPU runs the kernels' C version where the ops in force have one (CpuOps:
-  kernels/gemv.py's prompt_attention, one query at a time on the kernels' pool; in SmolLM2's 512-token
-  passes of 8 prompts, int8 activations, 2 threads: 27-34 -> 13-17 ms of attention a pass).
+  kernels/gemv.py's prompt_attention, on the kernels' pool; SmolLM2, int8 activations, 2 threads, a
+  pass of 8 prompts of 64 tokens: 26-33 -> 16-19 ms of attention, one prompt of 1,024: 345 -> 214 ms).
 - `materialized`: the textbook form, scores = q kᵀ / √D as one [B, H, T, L] tensor, masked,
   softmaxed, times v. Kept for the lab, to show what fusing saves at long prompts.
 """
