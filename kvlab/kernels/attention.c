@@ -156,6 +156,24 @@ static inline v8f exp8(v8f x) {
     return (v8f)((v8i)exp_normal8(x) & keep);  // x ≥ -64 here: 2^n a normal float
 }
 
+// s[lo .. hi − 1] ← e^(s − top), relative to their largest score `top`: eight at a time, then one by one;
+// returns their sum (the eight lanes' sums, then the rest, in that order)
+static inline float softmax_weights(float* s, int64_t lo, int64_t hi, float top) {
+    int64_t t = lo;
+    v8f sums = {0};
+    for (; t + 8 <= hi; t += 8) {
+        const v8f e = exp8(load8(s + t) - top);
+        store8(s + t, e);
+        sums += e;
+    }
+    float sum = hsum8(sums);
+    for (; t < hi; t++) {
+        s[t] = s[t] - top < NEGLIGIBLE ? 0.0f : expf(s[t] - top);
+        sum += s[t];
+    }
+    return sum;
+}
+
 // An item's kv heads g0 .. g1 − 1 and query heads h0 .. h1 − 1: of kv head g, those of its group among them
 typedef struct {
     int64_t g0, g1, h0, h1;
@@ -247,19 +265,7 @@ static inline __attribute__((always_inline)) void attend(void* ctx, uint32_t beg
             for (int64_t h = heads_lo(&r, g, group); h < heads_hi(&r, g, group); h++) {
                 float* s = scores + h * stride;
                 const float top = max_of(s, lo, hi);
-                float sum = 0.0f;
-                int64_t t = lo;
-                v8f sums = {0};
-                for (; t + 8 <= hi; t += 8) {
-                    const v8f e = exp8(load8(s + t) - top);
-                    store8(s + t, e);
-                    sums += e;
-                }
-                sum = hsum8(sums);
-                for (; t < hi; t++) {
-                    s[t] = s[t] - top < NEGLIGIBLE ? 0.0f : expf(s[t] - top);
-                    sum += s[t];
-                }
+                const float sum = softmax_weights(s, lo, hi, top);
                 float* part = partial + h * (D + 2);
                 part[0] = top;
                 part[1] = sum;
@@ -461,18 +467,7 @@ static inline __attribute__((always_inline)) void attend_rows(void* ctx, uint32_
             for (int64_t h = heads_lo(&r, g, group); h < heads_hi(&r, g, group); h++) {
                 float* s = scores + h * stride;
                 const float top = max_of(s, lo, hi);
-                int64_t t = lo;
-                v8f sums = {0};
-                for (; t + 8 <= hi; t += 8) {
-                    const v8f e = exp8(load8(s + t) - top);
-                    store8(s + t, e);
-                    sums += e;
-                }
-                float sum = hsum8(sums);
-                for (; t < hi; t++) {
-                    s[t] = s[t] - top < NEGLIGIBLE ? 0.0f : expf(s[t] - top);
-                    sum += s[t];
-                }
+                const float sum = softmax_weights(s, lo, hi, top);
                 float* part = partial + h * (D + 2);
                 part[0] = top;
                 part[1] = sum;
@@ -682,18 +677,7 @@ static void prompt_items(void* ctx, uint32_t begin, uint32_t end) {
             const float top = max_of(s, 0, n);
             memset(o, 0, D * sizeof(float));
             if (top == -INFINITY) continue;  // no key to look at: zeros (SDPA would give NaN)
-            float sum = 0.0f;
-            v8f sums = {0};
-            for (j = 0; j + 8 <= n; j += 8) {
-                const v8f e = exp8(load8(s + j) - top);
-                store8(s + j, e);
-                sums += e;
-            }
-            sum = hsum8(sums);
-            for (; j < n; j++) {
-                s[j] = s[j] - top < NEGLIGIBLE ? 0.0f : expf(s[j] - top);
-                sum += s[j];
-            }
+            const float sum = softmax_weights(s, 0, n, top);
             weighted_values(o, s, V, p->vs[2], n, D);
             const float inv = 1.0f / sum;
             for (int64_t i = 0; i < D; i++) o[i] *= inv;
