@@ -189,6 +189,22 @@ static inline void prefetch_heads(const KVStore* s, int64_t slot, int64_t Hkv, c
     for (int64_t g = r->g0; g < r->g1; g++) prefetch_vector(s, slot * Hkv + g, D);
 }
 
+// Each of an item's query heads' weights over keys lo .. hi − 1 of its chunk (scores: head h's row at
+// h · stride), relative to the chunk's largest score; into its partial: that score and the weights' sum,
+// and (clear) zeros for the weighted sum of its values
+static inline void chunk_weights(const Heads* r, int64_t group, float* scores, int64_t stride, float* partial,
+                                 int64_t D, int64_t lo, int64_t hi, int clear) {
+    for (int64_t g = r->g0; g < r->g1; g++)
+        for (int64_t h = heads_lo(r, g, group); h < heads_hi(r, g, group); h++) {
+            float* s = scores + h * stride;
+            const float top = max_of(s, lo, hi);
+            float* part = partial + h * (D + 2);
+            part[1] = softmax_weights(s, lo, hi, top);
+            part[0] = top;
+            if (clear) memset(part + 2, 0, D * sizeof(float));
+        }
+}
+
 // The cache slots of keys t .. t + 7, and the rows of the eight after PREFETCH_AHEAD more on their way
 // (those before ahead_hi)
 static inline void eight_slots(const KVStore* s, const int64_t* table, int64_t t, int64_t ahead_hi, int64_t bs,
@@ -260,17 +276,7 @@ static inline __attribute__((always_inline)) void attend(void* ctx, uint32_t beg
                     scores[h * stride + t] = dot(q + h * D, k, D) * scale;
             }
         }
-        // each head's weights over the chunk, relative to the chunk's largest score
-        for (int64_t g = r.g0; g < r.g1; g++)
-            for (int64_t h = heads_lo(&r, g, group); h < heads_hi(&r, g, group); h++) {
-                float* s = scores + h * stride;
-                const float top = max_of(s, lo, hi);
-                const float sum = softmax_weights(s, lo, hi, top);
-                float* part = partial + h * (D + 2);
-                part[0] = top;
-                part[1] = sum;
-                memset(part + 2, 0, D * sizeof(float));
-            }
+        chunk_weights(&r, group, scores, stride, partial, D, lo, hi, 1);
         // the weighted sum of the values: every value decoded once, added to each head of its group;
         // eight values at a time (each head's output read and written once per eight), then one by one
         t = lo;
@@ -462,16 +468,7 @@ static inline __attribute__((always_inline)) void attend_rows(void* ctx, uint32_
                 for (int64_t h = h0; h < h1; h++) scores[h * stride + t] = dot(q + h * D, kbuf, D) * scale;
             }
         }
-        // each head's weights over the chunk, as attend makes them
-        for (int64_t g = r.g0; g < r.g1; g++)
-            for (int64_t h = heads_lo(&r, g, group); h < heads_hi(&r, g, group); h++) {
-                float* s = scores + h * stride;
-                const float top = max_of(s, lo, hi);
-                const float sum = softmax_weights(s, lo, hi, top);
-                float* part = partial + h * (D + 2);
-                part[0] = top;
-                part[1] = sum;
-            }
+        chunk_weights(&r, group, scores, stride, partial, D, lo, hi, 0);  // the sums of values: row_values's
         for (int64_t g = r.g0; g < r.g1; g++)
             row_values_heads(a, scores, partial, vecs, lo, hi, g, heads_lo(&r, g, group), heads_hi(&r, g, group), DV, FMT,
                              AHEAD);  // fmt: skip
