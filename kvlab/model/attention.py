@@ -36,9 +36,10 @@ def sdpa_attention(q, k, v, meta: AttentionMetadata, scale: float | None = None)
         grouped = q.reshape(B, Hkv, H // Hkv, D)
         out = F.scaled_dot_product_attention(grouped, k, v, attn_mask=meta.attn_mask, scale=scale)
         return out.reshape(B, H, 1, D)  # a GPU kernel may hand back [B, Hkv, g, D] in another layout
-    out = current_ops().prompt_attention(q, k, v, meta.attn_mask, 1 / math.sqrt(D) if scale is None else scale)
-    if out is not None:
-        return out
+    if meta.attn_mask is not None or meta.is_causal:  # (the C version's queries see keys up to their own only)
+        out = current_ops().prompt_attention(q, k, v, meta.attn_mask, 1 / math.sqrt(D) if scale is None else scale)
+        if out is not None:
+            return out
     return F.scaled_dot_product_attention(q, k, v, attn_mask=meta.attn_mask, is_causal=meta.is_causal, enable_gqa=True,
                                           scale=scale)  # fmt: skip
 
