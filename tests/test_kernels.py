@@ -249,7 +249,7 @@ def _causal_mask(B: int, T: int, L: int, window: int | None = None) -> torch.Ten
                                                  (3, 6, 2, 5, 9, 32), (2, 4, 1, 33, 33, 80), (1, 2, 1, 3, 3, 256)])  # fmt: skip
 @pytest.mark.parametrize("masked", ["causal", "mask", "window"])
 def test_c_prompt_attention_matches_sdpa(B, H, Hkv, T, L, D, masked):
-    """kernels/gemv.py's prompt_attention (attention.c) against PyTorch's SDPA: grouped query heads, queries
+    """kernels/gemv.py's prompt_attention (prompt_attention.c) against PyTorch's SDPA: grouped query heads, queries
     after cached keys, a mask (padding past one sequence's end, a sliding window), head sizes on and off the
     vector widths, q, k and v at the strides the modules hand over (views into fused products)."""
     g = torch.Generator().manual_seed(B * 100 + T)

@@ -33,15 +33,16 @@ import torch.nn.functional as F
 
 from kvlab.kernels.policy import current
 
-_SOURCES = [Path(__file__).with_name(name) for name in ("gemv.c", "quant.c", "decode.c", "attention.c", "kv_codec.c",
-                                                        "pool.c")]  # fmt: skip
+_SOURCES = [Path(__file__).with_name(name) for name in ("gemv.c", "quant.c", "decode.c", "attention.c", "prompt_attention.c",
+                                                        "kv_codec.c", "pool.c")]  # fmt: skip
 _SOURCES.append(Path(__file__).with_name("quant_i8.c"))  # 8-bit activations over interleaved rows (opt-in)
 _SOURCES.append(Path(__file__).with_name("linear.c"))  # the decode step's products, part by part
 _SOURCES.append(Path(__file__).parents[1] / "parallel" / "allreduce.c")  # the shared-memory all-reduce, beside its user
 _SOURCES.append(Path(__file__).with_name("mxfp4.c"))  # MXFP4 blocks (gpt-oss's experts), bound by kernels/mxfp4.py
 _SOURCES.append(Path(__file__).with_name("moe.c"))  # the decode step's mixture-of-experts MLP (decode.c calls it)
 _SOURCES.append(Path(__file__).with_name("deltanet.c"))  # Gated DeltaNet's decode step, bound by kernels/deltanet.py
-_HEADERS = [Path(__file__).with_name(name) for name in ("pool.h", "step.h", "kv_codec.h", "quant_i8.h", "vec8.h")]
+_HEADERS = [Path(__file__).with_name(name) for name in ("pool.h", "step.h", "kv_codec.h", "quant_i8.h", "vec8.h",
+                                                        "attention.h")]  # fmt: skip
 _FLAGS = ["-O3", "-march=native", "-pthread", "-shared", "-fPIC", "-std=gnu11", "-lm"]
 _MAX_OUT = 2**31  # output rows: the pool numbers work items (4 rows each) in 32 bits
 _NAMES = {torch.float32: "kvlab_gemv_f32", torch.bfloat16: "kvlab_gemv_bf16", torch.float16: "kvlab_gemv_f16"}
@@ -314,7 +315,7 @@ def gated_act(gate: torch.Tensor, up: torch.Tensor, activation_id: int) -> torch
 
 def prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                      scale: float) -> torch.Tensor | None:
-    """softmax(q · kᵀ · scale) · v [B, H, T, D] for a pass's T new queries per sequence (attention.c's
+    """softmax(q · kᵀ · scale) · v [B, H, T, D] for a pass's T new queries per sequence (prompt_attention.c's
     kvlab_prompt_attention, on the kernels' pool): q [B, H, T, D], k and v [B, Hkv, L, D], query t at position
     L − T + t seeing the keys up to its own and, with `mask` ([1 or B, 1, T, L] bool, True = may look: a causal
     one), only those. None where the C version does not take the call (not float32 tensors on a CPU, another

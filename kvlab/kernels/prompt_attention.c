@@ -1,0 +1,298 @@
+// A prompt pass's attention (the modules' passes of several new tokens per sequence: kernels/gemv.py's
+// prompt_attention), on the kernels' pool.
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "attention.h"
+#include "pool.h"
+
+// ---- a prompt's attention: T new queries per sequence over its L keys (the modules' passes) ------------
+//
+// What PyTorch's scaled_dot_product_attention computes for the model's prompt passes (kernels/gemv.py's
+// prompt_attention), on the kernels' pool rather than on PyTorch's OpenMP threads: its CPU kernel took
+// ~1.2 ms a layer for 8 sequences of 64 tokens (SmolLM2's 9 heads), and its threads spun on the cores
+// between the pool's products. One work item per (sequence, query head, QUERY_TILE queries); each query
+// alone: its scores over the keys its causal position allows (and the mask, where there is one), their
+// softmax from the largest, the weighted sum of the values. A query's numbers depend on nothing but its
+// own row, its keys and values: the same bits in any batch, at any thread count.
+#define QUERY_TILE 32
+
+typedef struct {
+    const float *q, *k, *v;
+    const uint8_t* mask;  // [b, t, L] bool, True where a query may look (b and t at their strides), or NULL
+    float* out;           // [B, H, T, D]
+    int64_t B, H, Hkv, T, L, D;
+    int64_t qs[3], ks[3], vs[3], ms[2];  // strides (floats; bytes for the mask) of b, head, token / b, t
+    float scale;
+    int failed;  // a thread found no memory for its scores
+} Prompt;
+
+// o [D] (zeros) += Σ_j w[j] · v_j over keys j < n (row j at V + j · stride), the sums in registers: two
+// sets, even and odd keys, added at the end (one set waited on its own FMAs; o summed in memory key after
+// key waited on its stores: 45% of the kernel's time on one store). NV vectors of VW lanes make a row.
+#if defined(__AVX512F__)
+typedef v16f vrow;
+#define VW 16
+#else
+typedef v8f vrow;
+#define VW 8
+#endif
+static inline vrow load_row(const float* p) {
+    vrow v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+static inline __attribute__((always_inline)) void weighted_rows(float* o, const float* w, const float* V, int64_t stride,
+                                                                int64_t n, const int NV) {
+    vrow a[16], b[16];
+    for (int i = 0; i < NV; i++) a[i] = b[i] = (vrow){0};
+    int64_t j = 0;
+    for (; j + 2 <= n; j += 2) {
+        const float* v0 = V + j * stride;
+        const float* v1 = v0 + stride;
+        for (int i = 0; i < NV; i++) a[i] += w[j] * load_row(v0 + i * VW), b[i] += w[j + 1] * load_row(v1 + i * VW);
+    }
+    if (j < n)
+        for (int i = 0; i < NV; i++) a[i] += w[j] * load_row(V + j * stride + i * VW);
+    for (int i = 0; i < NV; i++) {
+        const vrow sum = a[i] + b[i];
+        memcpy(o + i * VW, &sum, sizeof sum);
+    }
+}
+
+static void weighted_values(float* o, const float* w, const float* V, int64_t stride, int64_t n, int64_t D) {
+    if (D == 4 * VW) weighted_rows(o, w, V, stride, n, 4);
+    else if (D == 8 * VW) weighted_rows(o, w, V, stride, n, 8);
+    else if (D == 16 * VW) weighted_rows(o, w, V, stride, n, 16);
+    else
+        for (int64_t j = 0; j < n; j++) axpy(o, w[j], V + j * stride, D);
+}
+
+static void prompt_items(void* ctx, uint32_t begin, uint32_t end) {
+    const Prompt* p = ctx;
+    const int64_t D = p->D, L = p->L, T = p->T, tiles = (T + QUERY_TILE - 1) / QUERY_TILE, group = p->H / p->Hkv;
+    float* s = malloc((size_t)(L + 8) * sizeof(float));
+    if (!s) {
+        ((Prompt*)ctx)->failed = 1;
+        return;
+    }
+    for (uint32_t item = begin; item < end; item++) {
+        const int64_t tile = item % tiles, h = item / tiles % p->H, b = item / tiles / p->H, g = h / group;
+        const float* K = p->k + b * p->ks[0] + g * p->ks[1];
+        const float* V = p->v + b * p->vs[0] + g * p->vs[1];
+        const int64_t t1 = (tile + 1) * QUERY_TILE < T ? (tile + 1) * QUERY_TILE : T;
+        for (int64_t t = tile * QUERY_TILE; t < t1; t++) {
+            const float* q = p->q + b * p->qs[0] + h * p->qs[1] + t * p->qs[2];
+            const uint8_t* m = p->mask ? p->mask + b * p->ms[0] + t * p->ms[1] : NULL;
+            float* o = p->out + ((b * p->H + h) * T + t) * D;
+            // keys 0 .. n − 1: the masks are causal (no query sees a key after its own position)
+            const int64_t n = t + L - T + 1 < L ? t + L - T + 1 : L;
+            int64_t j = 0;
+            if (D % 8 == 0)
+                for (; j + 8 <= n; j += 8) {
+                    const float* keys[8];
+                    for (int r = 0; r < 8; r++) keys[r] = K + (j + r) * p->ks[2];
+                    store8(s + j, (D % 16 ? dot8(q, keys, D) : dot8_wide(q, keys, D)) * p->scale);
+                }
+            for (; j < n; j++) s[j] = dot(q, K + j * p->ks[2], D) * p->scale;
+            if (m)
+                for (j = 0; j < n; j++) s[j] = m[j] ? s[j] : -INFINITY;
+            const float top = max_of(s, 0, n);
+            memset(o, 0, D * sizeof(float));
+            if (top == -INFINITY) continue;  // no key to look at: zeros (SDPA would give NaN)
+            const float sum = softmax_weights(s, 0, n, top);
+            weighted_values(o, s, V, p->vs[2], n, D);
+            const float inv = 1.0f / sum;
+            for (int64_t i = 0; i < D; i++) o[i] *= inv;
+        }
+    }
+    free(s);
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VL__)
+// The same attention a tile at a time (AVX-512): one work item per (sequence, kv head, PROMPT_TILE
+// queries), for every query head of the kv head's group. The keys go 16 at a time: the block's rows
+// transposed once (16 keys a register, value by value), so that a query's 16 scores are D FMAs of its
+// values broadcast, with no horizontal sum, four queries sharing each load; then the block's weights
+// into a running softmax (its largest score so far, the sum of weights, the weighted sum rescaled when
+// the largest grows: FlashAttention's) and the values added in registers. A query takes every block up
+// to its own position, in order, whatever else its tile holds: its numbers are its own, as above, but
+// not the per-query form's (another order of sums). SmolLM2's shape (9 heads, 3 kv heads, D 64), one
+// prompt of 1,024 tokens, 2 threads, on the Zen 5 VM: 6.6-7.3 ms a layer against the per-query form's 11.0
+// and PyTorch's SDPA's 10.3-11.3 (8 prompts of 64: 0.33-0.38 ms against 0.94 and 0.55-0.64); its whole
+// 1,024-token prompt pass (int8 activations, bfloat16 KV) 752 -> 603 ms against SDPA.
+#define PROMPT_TILE 64
+#define SCORED 8  // (query, head) pairs scored together: each loaded value of the keys serves 8 FMAs
+
+static inline __m512 exp16(__m512 x) {  // exp8 on both halves: 0 below NEGLIGIBLE (and for -inf)
+    const v8f lo = exp8((v8f)_mm512_castps512_ps256(x)), hi = exp8((v8f)_mm512_extractf32x8_ps(x, 1));
+    return _mm512_insertf32x8(_mm512_castps256_ps512((__m256)lo), (__m256)hi, 1);
+}
+
+typedef struct {
+    float m, l;  // the largest score so far, the sum of weights relative to it
+} Running;
+
+// r[k] (row k of a 16 x 16 block) -> r[c] (column c): pairs of rows interleaved, then fours within each
+// 128-bit lane, then the lanes themselves (64 shuffles, not 256 scalar loads and stores)
+static inline __attribute__((always_inline)) void transpose16(__m512* r) {
+    __m512 t[16], u[16];
+    for (int m = 0; m < 16; m += 2) t[m] = _mm512_unpacklo_ps(r[m], r[m + 1]), t[m + 1] = _mm512_unpackhi_ps(r[m], r[m + 1]);
+    for (int i = 0; i < 16; i += 4) {  // u[i + k], lane L: column 4L + k of rows i .. i + 3
+        u[i] = _mm512_shuffle_ps(t[i], t[i + 2], 0x44), u[i + 1] = _mm512_shuffle_ps(t[i], t[i + 2], 0xEE);
+        u[i + 2] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0x44), u[i + 3] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+    }
+    for (int k = 0; k < 4; k++) {  // column 4L + k: lane L of u[k], u[4 + k], u[8 + k], u[12 + k]
+        const __m512 w0 = _mm512_shuffle_f32x4(u[k], u[4 + k], 0x88), w1 = _mm512_shuffle_f32x4(u[k], u[4 + k], 0xDD);
+        const __m512 w2 = _mm512_shuffle_f32x4(u[8 + k], u[12 + k], 0x88), w3 = _mm512_shuffle_f32x4(u[8 + k], u[12 + k], 0xDD);
+        r[k] = _mm512_shuffle_f32x4(w0, w2, 0x88), r[4 + k] = _mm512_shuffle_f32x4(w1, w3, 0x88);
+        r[8 + k] = _mm512_shuffle_f32x4(w0, w2, 0xDD), r[12 + k] = _mm512_shuffle_f32x4(w1, w3, 0xDD);
+    }
+}
+
+// o [16·DV] (with running r) += the block's weights w [16] (scores s, -inf where not allowed) times its
+// value rows: the running softmax's step for one query head
+static inline __attribute__((always_inline)) void block_values(float* o, Running* r, __m512 s, const float* V,
+                                                               int64_t vstride, int nk, const int DV) {
+    const float top = _mm512_reduce_max_ps(s);
+    if (top == -INFINITY) return;  // no key of the block for this query
+    const float m = top > r->m ? top : r->m;
+    const __m512 w = exp16(_mm512_sub_ps(s, _mm512_set1_ps(m)));
+    __m512 acc[16];
+    if (m > r->m && r->m != -INFINITY) {  // the sums so far, rescaled to the new largest score
+        const float c = expf(r->m - m);
+        r->l *= c;
+        for (int i = 0; i < DV; i++) acc[i] = _mm512_mul_ps(_mm512_loadu_ps(o + 16 * i), _mm512_set1_ps(c));
+    } else {
+        for (int i = 0; i < DV; i++) acc[i] = _mm512_loadu_ps(o + 16 * i);
+    }
+    r->m = m;
+    r->l += _mm512_reduce_add_ps(w);
+    float wj[16];
+    _mm512_storeu_ps(wj, w);
+    __m512 odd[16];  // odd keys' sums apart: two chains of FMAs per register of o, not one
+    for (int i = 0; i < DV; i++) odd[i] = _mm512_setzero_ps();
+    int j = 0;
+    for (; j + 2 <= nk; j += 2) {
+        const __m512 b0 = _mm512_set1_ps(wj[j]), b1 = _mm512_set1_ps(wj[j + 1]);
+        for (int i = 0; i < DV; i++) {
+            acc[i] = _mm512_fmadd_ps(b0, _mm512_loadu_ps(V + j * vstride + 16 * i), acc[i]);
+            odd[i] = _mm512_fmadd_ps(b1, _mm512_loadu_ps(V + (j + 1) * vstride + 16 * i), odd[i]);
+        }
+    }
+    if (j < nk)
+        for (int i = 0; i < DV; i++) acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(wj[j]), _mm512_loadu_ps(V + j * vstride + 16 * i), acc[i]);
+    for (int i = 0; i < DV; i++) _mm512_storeu_ps(o + 16 * i, _mm512_add_ps(acc[i], odd[i]));
+}
+
+static inline __attribute__((always_inline)) void prompt_tile(const Prompt* p, uint32_t item, float* kt, Running* run,
+                                                              const int DV) {
+    const int64_t D = 16 * DV, L = p->L, T = p->T, tiles = (T + PROMPT_TILE - 1) / PROMPT_TILE;
+    const int64_t group = p->H / p->Hkv, tile = item % tiles, g = item / tiles % p->Hkv, b = item / tiles / p->Hkv;
+    const int64_t t0 = tile * PROMPT_TILE, t1 = t0 + PROMPT_TILE < T ? t0 + PROMPT_TILE : T, h0 = g * group;
+    const float* K = p->k + b * p->ks[0] + g * p->ks[1];
+    const float* V = p->v + b * p->vs[0] + g * p->vs[1];
+    const int64_t rows = (t1 - t0) * group;  // (query, head) pairs: pair i is query t0 + i / group, head h0 + i % group
+    for (int64_t i = 0; i < rows; i++) {
+        run[i] = (Running){-INFINITY, 0.0f};
+        memset(p->out + ((b * p->H + h0 + i % group) * T + t0 + i / group) * D, 0, D * sizeof(float));
+    }
+    const int64_t nmax = t1 - 1 + L - T + 1 < L ? t1 - 1 + L - T + 1 : L;  // keys the tile's last query sees
+    const __m512 scale = _mm512_set1_ps(p->scale), minus_inf = _mm512_set1_ps(-INFINITY);
+    for (int64_t j0 = 0; j0 < nmax; j0 += 16) {
+        const int nk = nmax - j0 < 16 ? (int)(nmax - j0) : 16;
+        if (nk == 16) {  // kt [D][16]: value d of the block's keys
+            for (int64_t c0 = 0; c0 < D; c0 += 16) {
+                __m512 r[16];
+                for (int k = 0; k < 16; k++) r[k] = _mm512_loadu_ps(K + (j0 + k) * p->ks[2] + c0);
+                transpose16(r);
+                for (int c = 0; c < 16; c++) _mm512_store_ps(kt + (c0 + c) * 16, r[c]);
+            }
+        } else {
+            for (int64_t d = 0; d < D; d++)
+                for (int r = 0; r < 16; r++) kt[d * 16 + r] = r < nk ? K[(j0 + r) * p->ks[2] + d] : 0.0f;
+        }
+        for (int64_t i = 0; i < rows;) {
+            // up to SCORED (query, head) pairs whose queries see this block, their scores together
+            int64_t pair[SCORED];
+            int n = 0;
+            for (; i < rows && n < SCORED; i++) {
+                const int64_t t = t0 + i / group;
+                if (j0 <= t + L - T) pair[n++] = i;
+            }
+            if (!n) break;
+            const float* qr[SCORED];
+            for (int k = 0; k < SCORED; k++) {
+                const int64_t i2 = pair[k < n ? k : 0], t = t0 + i2 / group, h = h0 + i2 % group;
+                qr[k] = p->q + b * p->qs[0] + h * p->qs[1] + t * p->qs[2];
+            }
+            __m512 s[SCORED];
+            for (int k = 0; k < SCORED; k++) s[k] = _mm512_setzero_ps();
+            for (int64_t d = 0; d < D; d++) {
+                const __m512 kd = _mm512_load_ps(kt + d * 16);
+                for (int k = 0; k < SCORED; k++) s[k] = _mm512_fmadd_ps(_mm512_set1_ps(qr[k][d]), kd, s[k]);
+            }
+            for (int k = 0; k < n; k++) {
+                const int64_t t = t0 + pair[k] / group, h = h0 + pair[k] % group, last = t + L - T - j0;
+                __mmask16 allowed = last >= 15 ? 0xFFFF : (__mmask16)((1u << (last + 1)) - 1);
+                allowed &= nk == 16 ? 0xFFFF : (__mmask16)((1u << nk) - 1);
+                if (p->mask) {
+                    const uint8_t* m = p->mask + b * p->ms[0] + t * p->ms[1] + j0;
+                    uint8_t bytes[16] = {0};
+                    memcpy(bytes, m, nk);
+                    allowed &= _mm_test_epi8_mask(_mm_loadu_si128((const __m128i*)bytes), _mm_set1_epi8((char)0xFF));
+                }
+                const __m512 sc = _mm512_mask_mov_ps(minus_inf, allowed, _mm512_mul_ps(s[k], scale));
+                block_values(p->out + ((b * p->H + h) * T + t) * D, run + pair[k], sc, V + j0 * p->vs[2], p->vs[2], nk, DV);
+            }
+        }
+    }
+    for (int64_t i = 0; i < rows; i++) {
+        float* o = p->out + ((b * p->H + h0 + i % group) * T + t0 + i / group) * D;
+        const float inv = run[i].l > 0.0f ? 1.0f / run[i].l : 0.0f;  // no key to look at: zeros
+        for (int64_t d = 0; d < D; d++) o[d] *= inv;
+    }
+}
+
+static void prompt_tiles(void* ctx, uint32_t begin, uint32_t end) {
+    const Prompt* p = ctx;
+    float* kt = aligned_alloc(64, (size_t)p->D * 16 * sizeof(float));
+    Running* run = malloc((size_t)PROMPT_TILE * (p->H / p->Hkv) * sizeof(Running));
+    if (!kt || !run) {
+        ((Prompt*)ctx)->failed = 1;
+    } else {
+        for (uint32_t item = begin; item < end; item++) {
+            if (p->D == 64) prompt_tile(p, item, kt, run, 4);
+            else if (p->D == 128) prompt_tile(p, item, kt, run, 8);
+            else prompt_tile(p, item, kt, run, 16);
+        }
+    }
+    free(kt);
+    free(run);
+}
+#define PROMPT_TILES 1
+#endif
+
+// out [B, H, T, D] (contiguous) = softmax(q · kᵀ · scale) · v per query head, q
+// [B, H, T, D], k and v [B, Hkv, L, D] (each the last dimension contiguous, the rest at the strides given,
+// in floats), the T queries the sequences' last: query t at position L − T + t sees keys up to its own,
+// and of those only where mask [b, t, key] (bytes, at strides ms; NULL: no mask) is nonzero. 0, or -1
+// where there was no memory for the scores (out then incomplete).
+int kvlab_prompt_attention(const float* q, const int64_t* qs, const float* k, const int64_t* ks, const float* v,
+                            const int64_t* vs, const uint8_t* mask, const int64_t* ms, float* out, int64_t B, int64_t H,
+                            int64_t Hkv, int64_t T, int64_t L, int64_t D, float scale, int threads) {
+    Prompt p = {q, k, v, mask, out, B, H, Hkv, T, L, D, {qs[0], qs[1], qs[2]}, {ks[0], ks[1], ks[2]},
+                {vs[0], vs[1], vs[2]}, {mask ? ms[0] : 0, mask ? ms[1] : 0}, scale, 0};
+#if defined(PROMPT_TILES)
+    if (D == 64 || D == 128 || D == 256) {
+        kvlab_pool_run(prompt_tiles, &p, (uint32_t)(B * Hkv * ((T + PROMPT_TILE - 1) / PROMPT_TILE)), 1, threads);
+        return p.failed ? -1 : 0;
+    }
+#endif
+    const int64_t items = B * H * ((T + QUERY_TILE - 1) / QUERY_TILE);
+    kvlab_pool_run(prompt_items, &p, (uint32_t)items, 1, threads);
+    return p.failed ? -1 : 0;
+}
