@@ -259,14 +259,14 @@ static inline __attribute__((always_inline)) void row_values_heads(const Attend*
     const int64_t stride = a->step->max_keys, D = 16 * DV;
     const KVStore* v = &a->step->v;
     for (int64_t h = h0; h < h1;) {
-        const int64_t n = h1 - h < 16 / DV ? h1 - h : 16 / DV;
+        const int64_t n = h1 - h < 16 / DV ? h1 - h : 16 / DV;  // 1 to 4 heads (D 64), 1 or 2 (128), 1 (256)
         float* o = partial + h * (D + 2) + 2;
         const float* p = scores + h * stride;
-        if (n >= 4 && DV == 4) row_values(p, stride, v, vecs, lo, hi, g, o, 4, 4, FMT, AHEAD);
-        else if (n == 3 && DV == 4) row_values(p, stride, v, vecs, lo, hi, g, o, 3, 4, FMT, AHEAD);
-        else if (n >= 2 && DV <= 8) row_values(p, stride, v, vecs, lo, hi, g, o, 2, DV, FMT, AHEAD);
+        if (n == 4) row_values(p, stride, v, vecs, lo, hi, g, o, 4, 4, FMT, AHEAD);
+        else if (n == 3) row_values(p, stride, v, vecs, lo, hi, g, o, 3, 4, FMT, AHEAD);
+        else if (n == 2) row_values(p, stride, v, vecs, lo, hi, g, o, 2, DV, FMT, AHEAD);
         else row_values(p, stride, v, vecs, lo, hi, g, o, 1, DV, FMT, AHEAD);
-        h += DV == 4 ? (n >= 4 ? 4 : n >= 3 ? 3 : n >= 2 ? 2 : 1) : DV == 8 ? (n >= 2 ? 2 : 1) : 1;
+        h += n;
     }
 }
 

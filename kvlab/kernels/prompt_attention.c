@@ -1,5 +1,5 @@
-// A prompt pass's attention (the modules' passes of several new tokens per sequence: kernels/gemv.py's
-// prompt_attention), on the kernels' pool.
+// A prompt pass's attention on the kernels' pool: two forms, one query at a time, and (AVX-512) a tile of
+// queries at a time.
 
 #include <math.h>
 #include <stdint.h>
@@ -116,7 +116,7 @@ static void prompt_items(void* ctx, uint32_t begin, uint32_t end) {
 // The same attention a tile at a time (AVX-512): one work item per (sequence, kv head, PROMPT_TILE
 // queries), for every query head of the kv head's group. The keys go 16 at a time: the block's rows
 // transposed once (16 keys a register, value by value), so that a query's 16 scores are D FMAs of its
-// values broadcast, with no horizontal sum, four queries sharing each load; then the block's weights
+// values broadcast, with no horizontal sum, SCORED (query, head) pairs sharing each load; then the block's weights
 // into a running softmax (its largest score so far, the sum of weights, the weighted sum rescaled when
 // the largest grows: FlashAttention's) and the values added in registers. A query takes every block up
 // to its own position, in order, whatever else its tile holds: its numbers are its own, as above, but
