@@ -213,14 +213,15 @@ def test_the_repacked_blocks_pages_leave_memory_and_nothing_else_changes(tmp_pat
     assert released and sum(released) > 0
 
 
-@pytest.mark.skipif(not quant.bf16_prompt_rows(), reason="no AMX tiles for bfloat16 here: no prompt road to fuse")
+@pytest.mark.skipif(not quant.gated_prompt_rows(), reason="neither AMX tiles for bfloat16 nor vpdpbusd here: no gated pass")
 def test_a_prompts_gated_mlp_in_one_pass_gives_the_mlps_own_bits(gguf_file, monkeypatch):
-    """A prompt of bfloat16 size: gate, up and the activation in one pass of the tiles (CpuOps.gated_product),
-    the logits bit for bit those of the MLP's own product-then-activation."""
+    """A prompt of gated_prompt_rows() tokens or more: gate, up and the activation in one pass (the bfloat16
+    tiles, or vpdpbusd; CpuOps.gated_product), the logits bit for bit those of the MLP's own
+    product-then-activation."""
     from kvlab.backends.ops import CpuOps
 
     loaded = with_int8_activations(load_model(gguf_file))
-    ids = torch.randint(3, 500, (quant.bf16_prompt_rows() + 20,), generator=torch.Generator().manual_seed(4)).tolist()
+    ids = torch.randint(3, 500, (quant.gated_prompt_rows() + 20,), generator=torch.Generator().manual_seed(4)).tolist()
     calls = []
     fused_product = CpuOps.gated_product
     monkeypatch.setattr(CpuOps, "gated_product", lambda self, *a: calls.append(1) or fused_product(self, *a))

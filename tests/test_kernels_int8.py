@@ -210,20 +210,25 @@ def test_prompt_sized_passes_multiply_in_bfloat16_and_a_rows_bits_stand_alone(fm
         assert np.abs(y.double().numpy() - exact).max() / np.abs(exact).max() < 0.02, (fmt, out)
 
 
+GATED_ROWS = quant.gated_prompt_rows()
+
+
 @needs_kernel
-@needs_bf16_tiles
-@pytest.mark.parametrize("fmts", [("Q8_0", "Q8_0"), ("Q4_0", "Q4_1"), ("Q5_0", "Q5_0"), ("Q4_K", "Q6_K"), ("Q5_K", "Q4_K")])
+@pytest.mark.skipif(not GATED_ROWS, reason="neither AMX tiles for bfloat16 nor vpdpbusd here: no gated pass")
+@pytest.mark.parametrize("fmts", [("Q8_0", "Q8_0"), ("Q4_0", "Q4_1"), ("Q5_0", "Q5_0"), ("Q4_K", "Q6_K"), ("Q5_K", "Q4_K"),
+                                  ("Q8_0", "Q6_K")])  # fmt: skip
 @pytest.mark.parametrize("act", [0, 1])  # SiLU, GELU (tanh)
-def test_a_gated_mlps_pass_takes_its_activation_from_the_tiles_with_the_two_products_bits(fmts, act):
-    """gate and up on the bfloat16 tiles in one pass, act(gate) · up as the sums leave them: bit for bit the
-    two parts' product followed by gated_act, on any threads (208 outputs: 13 pairs, runs of several); the
-    int8 road's passes (fewer rows) and outputs in no whole items are left to the MLP (None)."""
+def test_a_gated_mlps_pass_takes_its_activation_as_the_sums_leave_with_the_two_products_bits(fmts, act):
+    """gate and up in one pass (the bfloat16 tiles, or vpdpbusd), act(gate) · up as the sums leave the tiles
+    or registers: bit for bit the two parts' product followed by gated_act, on any threads (208 outputs: 13
+    pairs, runs of several; Q8_0 with Q6_K: x quantized apart for each); a row's bits are the same in any
+    pass; passes of fewer rows and outputs in no whole items are left to the MLP (None)."""
     from kvlab.kernels import gemv
 
     for n, intermediate in [(256, 48), (256, 208), (768, 208)]:  # 768: three chunks of K
         gate, _ = interleaved(fmts[0], intermediate, n, seed=intermediate)
         up, _ = interleaved(fmts[1], intermediate, n, seed=intermediate + 1)
-        x = torch.randn(BF16_ROWS + 50, n, generator=torch.Generator().manual_seed(intermediate)) * 2
+        x = torch.randn(GATED_ROWS + 50, n, generator=torch.Generator().manual_seed(intermediate)) * 2
         both = quant.packed_linear(x, [gate, up], 2 * intermediate, threads=2)  # one job, x rounded once
         apart = [quant.packed_linear(x, [p], intermediate, threads=2) for p in (gate, up)]
         assert torch.equal(both, torch.cat(apart, dim=1))
@@ -231,6 +236,7 @@ def test_a_gated_mlps_pass_takes_its_activation_from_the_tiles_with_the_two_prod
         fused = quant.gated_product(x, gate, up, act, threads=2)
         assert torch.equal(fused, expected), (fmts, act, intermediate)
         assert torch.equal(quant.gated_product(x, gate, up, act, threads=1), fused)
-        assert quant.gated_product(x[: BF16_ROWS - 1], gate, up, act) is None
+        assert torch.equal(quant.gated_product(x[5 : 5 + GATED_ROWS], gate, up, act), fused[5 : 5 + GATED_ROWS])
+        assert quant.gated_product(x[: GATED_ROWS - 1], gate, up, act) is None
     odd, _ = interleaved(fmts[0], 40, n, seed=3)  # 2.5 items
     assert quant.gated_product(x, odd, odd, act) is None

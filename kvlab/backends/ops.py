@@ -185,9 +185,10 @@ class CpuOps(TorchOps):
         return quant.packed_linear(x, parts, out_features)
 
     def gated_product(self, x, parts, activation_id):
-        # --activation-quant int8's prompt-sized passes: gate and up on the bfloat16 tiles together, the
-        # activation taken as their sums leave the tiles (kernels/quant_i8.c kvlab_i8_gated), where the MLP's
-        # own path writes both out and reads them back for gated_act, whose bits these are
+        # --activation-quant int8's prompt-sized passes: gate and up together (on the bfloat16 tiles, or
+        # vpdpbusd), the activation taken as their sums leave the tiles or registers (kernels/quant_i8.c
+        # kvlab_i8_gated), where the MLP's own path writes both out and reads them back for gated_act,
+        # whose bits these are
         from kvlab.kernels import quant
 
         in_features = parts[0].shape[1]

@@ -100,6 +100,15 @@ def bf16_prompt_rows() -> int:
     return int(lib["bf16_rows"]()) if lib else 0
 
 
+@functools.cache
+def gated_prompt_rows() -> int:
+    """The rows from which a gated MLP's interleaved gate and up and its activation go as one pass
+    (`gated_product`): bf16_prompt_rows() on AMX tiles for bfloat16, else a prompt's passes on vpdpbusd
+    (kernels/quant_i8.c's GATED_ROWS); 0 where this machine or build has neither."""
+    lib = _library()
+    return int(lib["gated_rows"]()) if lib else 0
+
+
 def applies(x: torch.Tensor, formats: list[str], whole: bool = True) -> bool:
     """Whether packed_linear takes x [rows, in] with parts in `formats`: a pass the thread policy in
     force gives the block kernels (any size by default: see ThreadPolicy.packed_prompts, up to
@@ -173,10 +182,11 @@ def _matmul_parts(lib, fmts: list[int], data: list[torch.Tensor], parts, x: torc
 
 def gated_product(x: torch.Tensor, gate, up, activation_id: int, threads: int | None = None) -> torch.Tensor | None:
     """A gated MLP's act(x · gateᵀ) · (x · upᵀ) [rows, I] float32, gate and up (PackedTensor) in interleaved
-    formats, in one bfloat16 pass of the AMX tiles where it takes the call (a pass of bf16_prompt_rows() rows
-    or more, I in whole items of 16): the bits of packed_linear over both parts, then gemv.gated_act. None
-    where it does not: the caller multiplies, then activates."""
-    ids, lib, least = _format_ids(), _library(), bf16_prompt_rows()
+    formats, in one pass where it takes the call (gated_prompt_rows() rows or more, I in whole items of 16):
+    on AMX tiles for bfloat16, or on vpdpbusd with only the activation written out; the bits of
+    packed_linear over both parts, then gemv.gated_act. None where it does not: the caller multiplies,
+    then activates."""
+    ids, lib, least = _format_ids(), _library(), gated_prompt_rows()
     rows, in_features = x.shape
     I = gate.shape[0]
     if not lib or not least or rows < least or up.shape[0] != I:

@@ -1036,6 +1036,45 @@ static void items(void* ctx, uint32_t begin, uint32_t end) {
 #endif
     free(whole);
 }
+
+// A gated MLP's pass on vpdpbusd: work item `it` is gate's item and up's item of the same 16 outputs,
+// MTILE rows at a time through both (the rows' own sums, as items() makes them), and only act(gate) · up
+// leaves the registers (gated8, 8 lanes at a time, as gated_act takes a row). The two products wrote gate
+// and up out and gated_act read them back: for Qwen2.5-Coder-0.5B's 512-row prompt passes, 20 MB a
+// layer each way. The same bits as those products and gated_act.
+typedef struct {
+    Product gate, up;
+    int act;
+} GatedPass;
+
+static void gated_items(void* ctx, uint32_t begin, uint32_t end) {
+    const GatedPass* q = ctx;
+    const Product* part[2] = {&q->gate, &q->up};
+    int64_t ib[2];
+    uint8_t* whole[2];
+    for (int j = 0; j < 2; j++) {
+        ib[j] = item_bytes(&part[j]->l, part[j]->groups);
+        const int split = part[j]->l.nibble == 2 && part[j]->end - part[j]->begin >= SPLIT_ONCE;
+        whole[j] = split ? aligned_alloc(64, part[j]->groups * 512) : NULL;  // none: split per block
+    }
+    for (int64_t it = begin; it < end; it++) {
+        const int64_t o0 = it * LANES;
+        for (int j = 0; j < 2; j++)
+            if (whole[j]) split_codes(&part[j]->l, part[j]->w + it * ib[j], part[j]->groups, whole[j], 0);
+        for (int64_t i = q->gate.begin; i < q->gate.end; i += MTILE) {
+            __m512 acc[2][MTILE];
+            const int M = q->gate.end - i < MTILE ? (int)(q->gate.end - i) : MTILE;
+            for (int j = 0; j < 2; j++) ROWS_OF[M - 1](part[j], part[j]->w + it * ib[j], i, whole[j], acc[j]);
+            for (int k = 0; k < M; k++) {
+                float g[LANES], u[LANES];
+                _mm512_storeu_ps(g, acc[0][k]), _mm512_storeu_ps(u, acc[1][k]);
+                for (int h = 0; h < LANES; h += 8)
+                    store8(q->gate.y + (i + k) * q->gate.ldy + o0 + h, gated8(load8(g + h), load8(u + h), q->act));
+            }
+        }
+    }
+    free(whole[0]), free(whole[1]);
+}
 #elif defined(DOT2)
 // AVX2 has no vpdpbusd: vpmaddubsw multiplies codes by x in pairs into 16-bit sums, which add up in 16
 // bits while no sum can overflow (K16 of them: 8 for 4-bit codes, 4 for 5-bit, 2 for 6-bit), and
@@ -1286,6 +1325,11 @@ static int bf16_for(int64_t m, int64_t n) {
 
 int kvlab_i8_bf16_pass(int64_t m, int64_t n) { return bf16_for(m, n); }
 
+// The rows from which a gated MLP's gate, up and activation go as one pass on vpdpbusd (kvlab_i8_gated):
+// a prompt's, whose gate and up (20 MB a layer each for Qwen2.5-Coder-0.5B at 512 rows) would be written
+// out and read back; a decode step's MLP is the decode backend's, its 16 rows' sums in cache anyway
+#define GATED_ROWS 64
+
 int kvlab_i8_bf16_rows(void) {
 #if defined(BF16)
     return amx_available() ? BF16_ROWS : 0;
@@ -1406,29 +1450,64 @@ int kvlab_i8_matmul_parts(int num, const int* fmt, const uint8_t* const* w, cons
 }
 
 // A gated MLP's activations y [m, I] (row stride ldy) = act(x · gateᵀ) · (x · upᵀ), gate and up interleaved
-// matrices of I rows each (formats fmt[0], fmt[1]; act an ACT_* id), in one pass of bfloat16 tiles: each
-// pair of items is a gate item and the up item of the same 16 outputs, so the activation is taken as the
-// sums leave the tiles (gated8), where two products write gate and up out for gated_act to read back
+// matrices of I rows each (formats fmt[0], fmt[1]; act an ACT_* id), in one pass: of bfloat16 tiles where
+// the pass is theirs (bf16_for), else of vpdpbusd (gated_items) from GATED_ROWS rows. Each pair of items
+// is a gate item and the up item of the same 16 outputs, so the activation is taken as the sums leave the
+// tiles or registers (gated8), where two products write gate and up out for gated_act to read back
 // (Qwen2.5-Coder-0.5B's 512-row passes: 20 MB a layer each way). The same bits as those products and
-// gated_act. Returns 0; −1 where the pass is not one for the bfloat16 tiles (bf16_for), I is not whole
-// items or a format has no interleaved form (the caller multiplies, then activates); −2 without memory.
+// gated_act. Returns 0; −1 where the pass is neither's (fewer rows than kvlab_i8_gated_rows(), the int8
+// tiles'), I is not whole items or a format has no interleaved form (the caller multiplies, then
+// activates); −2 without memory.
 int kvlab_i8_gated(const int* fmt, const uint8_t* const* w, int64_t I, const float* x, float* y, int64_t m, int64_t n,
                    int64_t ldy, int act, int threads) {
-#if defined(BF16)
     Layout l[2];
-    if (!bf16_for(m, n) || I % LANES || act < 0 || act >= ACTIVATIONS || I / LANES >= UINT32_MAX) return -1;
+    const int least = kvlab_i8_gated_rows();
+    if (!least || m < least || I % LANES || act < 0 || act >= ACTIVATIONS || I / LANES >= UINT32_MAX) return -1;
     for (int j = 0; j < 2; j++)
         if (layout(fmt[j], &l[j]) || n % l[j].S) return -1;
-    uint16_t* xb = bf16_activations(x, m, n, threads);
-    if (!xb) return -2;
-    int failed = 0;
-    const int64_t pairs = I / LANES, per = pairs_per_run(pairs, n, threads);
-    Bf16Product b = {l[0], w[0], xb, y, m, n, n / l[0].S, ldy, I, per, &failed, w[1], l[1], act};
-    kvlab_pool_run(bf16_runs_of_pairs, &b, (uint32_t)((pairs + per - 1) / per), 1, threads);
-    free(xb);
-    return failed ? -2 : 0;
+#if defined(BF16)
+    if (bf16_for(m, n)) {
+        uint16_t* xb = bf16_activations(x, m, n, threads);
+        if (!xb) return -2;
+        int failed = 0;
+        const int64_t pairs = I / LANES, per = pairs_per_run(pairs, n, threads);
+        Bf16Product b = {l[0], w[0], xb, y, m, n, n / l[0].S, ldy, I, per, &failed, w[1], l[1], act};
+        kvlab_pool_run(bf16_runs_of_pairs, &b, (uint32_t)((pairs + per - 1) / per), 1, threads);
+        free(xb);
+        return failed ? -2 : 0;
+    }
+#endif
+#if defined(VNNI)
+    if (tiles_for(m)) return -1;  // the two products' rows on the int8 tiles
+    // x quantized as the two products quantize it: once where gate's and up's sub-blocks agree
+    const int64_t groups[2] = {n / l[0].S, n / l[1].S};
+    const int shared = l[0].S == l[1].S && l[0].off == l[1].off;
+    XBlock* xq[2] = {aligned_alloc(64, m * groups[0] * sizeof(XBlock)),
+                     shared ? NULL : aligned_alloc(64, m * groups[1] * sizeof(XBlock))};
+    if (!xq[0] || (!shared && !xq[1])) {
+        free(xq[0]), free(xq[1]);
+        return -2;
+    }
+    for (int j = 0; j < 2 - shared; j++) quantize_rows(x, m, n, &l[j], xq[j], threads);
+    const uint32_t pairs = (uint32_t)(I / LANES);
+    GatedPass g = {{l[0], w[0], xq[0], y, m, groups[0], ldy, I, 0, 0, m},
+                   {l[1], w[1], shared ? xq[0] : xq[1], NULL, m, groups[1], ldy, I, 0, 0, m}, act};
+    kvlab_pool_run(gated_items, &g, pairs, claim_size(m, pairs, threads), threads);
+    free(xq[0]), free(xq[1]);
+    return 0;
 #else
-    (void)fmt, (void)w, (void)I, (void)x, (void)y, (void)m, (void)n, (void)ldy, (void)act, (void)threads;
+    (void)w, (void)x, (void)y, (void)ldy, (void)threads;
     return -1;
+#endif
+}
+
+int kvlab_i8_gated_rows(void) {
+#if defined(BF16)
+    if (amx_available()) return BF16_ROWS;
+#endif
+#if defined(VNNI)
+    return tiles_for(GATED_ROWS) ? 0 : GATED_ROWS;  // the int8 tiles' passes: left to the two products
+#else
+    return 0;
 #endif
 }

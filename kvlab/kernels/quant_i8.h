@@ -16,6 +16,9 @@ int kvlab_i8_matmul_parts(int num, const int* fmt, const uint8_t* const* w, cons
 int kvlab_i8_bf16_rows(void);
 // Whether a pass of m rows over n inputs goes in bfloat16 on the tiles (kvlab_i8_matmul_parts: one job for all parts)
 int kvlab_i8_bf16_pass(int64_t m, int64_t n);
-// A gated MLP's act(x · gateᵀ) · (x · upᵀ) in one bfloat16 pass; −1 where it is not one (see quant_i8.c)
+// A gated MLP's act(x · gateᵀ) · (x · upᵀ) in one pass (bfloat16 tiles or vpdpbusd); −1 where it is not one
+// (see quant_i8.c)
 int kvlab_i8_gated(const int* fmt, const uint8_t* const* w, int64_t I, const float* x, float* y, int64_t m, int64_t n,
                    int64_t ldy, int act, int threads);
+// The rows from which kvlab_i8_gated takes a pass (0: never, on this machine or build)
+int kvlab_i8_gated_rows(void);
