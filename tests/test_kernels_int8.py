@@ -157,8 +157,10 @@ def portable(request, tmp_path_factory):
     flags = ["-O3", "-march=native", *_NARROWER[request.param], "-pthread", "-shared", "-fPIC", "-std=gnu11"]
     subprocess.run([compiler, *flags, *sources, "-o", str(target), "-lm"], check=True, capture_output=True)
     lib = ctypes.CDLL(str(target))
+    lib.flags = flags
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     lib.kvlab_quant_matmul.argtypes = [i32, p, i64, p, p, i64, i64, i64, i64, i32]
+    lib.kvlab_quant_gated.argtypes = [p, p, i64, p, p, i64, i64, i32, i32]
     return lib
 
 
@@ -175,6 +177,32 @@ def test_the_narrower_builds_give_this_machines_bits(portable, fmt):
         y = torch.empty(rows, out)
         assert portable.kvlab_quant_matmul(fid, part.data.data_ptr(), 0, x.data_ptr(), y.data_ptr(), rows, n, out, out, 2) == 0
         assert torch.equal(y, quant.packed_linear(x, [part], out)), rows
+
+
+@needs_kernel
+@pytest.mark.parametrize("fmts", [("Q4_0", "Q4_1"), ("Q5_0", "Q5_0"), ("Q8_0", "Q6_K"), ("Q5_K", "Q4_K")])
+def test_the_narrower_builds_gated_passes_give_the_two_products_bits(portable, fmts):
+    """A gated MLP's pass of a prompt's rows (kvlab_quant_gated) on a narrower build: AVX2's pairs of items
+    (5-bit codes split once) give act(gate) · up with the bits of this machine's two products then
+    gated_act; the plain C build has no such pass (−1: the MLP multiplies, then activates)."""
+    from kvlab.kernels import gemv
+
+    n, intermediate, rows = 256, 48, 70  # 70 rows: whole blocks of rows and a part-filled one
+    gate, _ = interleaved(fmts[0], intermediate, n, seed=5)
+    up, _ = interleaved(fmts[1], intermediate, n, seed=6)
+    x = torch.randn(rows, n, generator=torch.Generator().manual_seed(7)) * 2
+    # this machine's int8 bits, in passes of fewer rows than its bfloat16 tiles' (where it has them)
+    both = torch.cat([quant.packed_linear(x[i : i + 35], [gate, up], 2 * intermediate) for i in (0, 35)])
+    expected = gemv.gated_act(both[:, :intermediate], both[:, intermediate:], 0)
+    ids = quant._format_ids()
+    fmt = (ctypes.c_int * 2)(ids[gate.fmt], ids[up.fmt])
+    data = (ctypes.c_void_p * 2)(gate.data.data_ptr(), up.data.data_ptr())
+    y = torch.full((rows, intermediate), float("nan"))
+    status = portable.kvlab_quant_gated(fmt, data, intermediate, x.data_ptr(), y.data_ptr(), rows, n, 0, 2)
+    if "-mno-avx2" in portable.flags:
+        assert status == -1
+    else:
+        assert status == 0 and torch.equal(y, expected), fmts
 
 
 BF16_ROWS = quant.bf16_prompt_rows()

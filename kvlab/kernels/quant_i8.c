@@ -478,6 +478,11 @@ typedef struct {
     int64_t begin, end;  // the rows this pass computes (of the m the activations hold)
 } Product;
 
+typedef struct {  // a gated MLP's gate and up over the same rows, as one pass (kvlab_i8_gated)
+    Product gate, up;
+    int act;
+} GatedPass;
+
 // A kernel's layout as constants (NIB: 4-bit codes; NW: code registers per group, 4 or 8; MIN; KQ: integer
 // scales), so that finding group b is shifts and adds: its super-block, its place there, its codes.
 #define GROUPS_PER_SUPER(NIB, NW, KQ) ((KQ) ? (!(NIB) && (NW) == 4 ? 16 : 8) : 2)
@@ -1042,11 +1047,6 @@ static void items(void* ctx, uint32_t begin, uint32_t end) {
 // leaves the registers (gated8, 8 lanes at a time, as gated_act takes a row). The two products wrote gate
 // and up out and gated_act read them back: for Qwen2.5-Coder-0.5B's 512-row prompt passes, 20 MB a
 // layer each way. The same bits as those products and gated_act.
-typedef struct {
-    Product gate, up;
-    int act;
-} GatedPass;
-
 static void gated_items(void* ctx, uint32_t begin, uint32_t end) {
     const GatedPass* q = ctx;
     const Product* part[2] = {&q->gate, &q->up};
@@ -1261,6 +1261,35 @@ static void items(void* ctx, uint32_t begin, uint32_t end) {
     }
     free(whole);
 }
+
+// A gated MLP's pass (the VNNI road's gated_items): gate's and up's items of the same 16 outputs, MT2 rows
+// and one half at a time through both, only act(gate) · up stored
+static void gated_items(void* ctx, uint32_t begin, uint32_t end) {
+    const GatedPass* q = ctx;
+    const Product* part[2] = {&q->gate, &q->up};
+    int64_t ib[2];
+    uint8_t* whole[2];
+    for (int j = 0; j < 2; j++) {
+        ib[j] = item_bytes(&part[j]->l, part[j]->groups);
+        const int split = part[j]->l.nibble == 2 && part[j]->end - part[j]->begin >= SPLIT_HALVES;
+        whole[j] = split ? aligned_alloc(64, part[j]->groups * 512) : NULL;  // none: split per block
+    }
+    for (int64_t it = begin; it < end; it++) {
+        const int64_t o0 = it * LANES;
+        for (int j = 0; j < 2; j++)
+            if (whole[j]) split_halves(&part[j]->l, part[j]->w + it * ib[j], part[j]->groups, whole[j]);
+        for (int64_t i = q->gate.begin; i < q->gate.end; i += MT2) {
+            const int M = q->gate.end - i < MT2 ? (int)(q->gate.end - i) : MT2;
+            for (int h = 0; h < 2; h++) {
+                __m256 acc[2][MT2];
+                for (int j = 0; j < 2; j++) HALF_ROWS_OF[M - 1](part[j], part[j]->w + it * ib[j], i, h, whole[j], acc[j]);
+                for (int k = 0; k < M; k++)
+                    store8(q->gate.y + (i + k) * q->gate.ldy + o0 + 8 * h, gated8((v8f)acc[0][k], (v8f)acc[1][k], q->act));
+            }
+        }
+    }
+    free(whole[0]), free(whole[1]);
+}
 #else
 // Any machine: the same integers, and the same float operations per lane in the same order.
 static void items(void* ctx, uint32_t begin, uint32_t end) {
@@ -1325,7 +1354,8 @@ static int bf16_for(int64_t m, int64_t n) {
 
 int kvlab_i8_bf16_pass(int64_t m, int64_t n) { return bf16_for(m, n); }
 
-// The rows from which a gated MLP's gate, up and activation go as one pass on vpdpbusd (kvlab_i8_gated):
+// The rows from which a gated MLP's gate, up and activation go as one pass on vpdpbusd or AVX2's pairs
+// (kvlab_i8_gated):
 // a prompt's, whose gate and up (20 MB a layer each for Qwen2.5-Coder-0.5B at 512 rows) would be written
 // out and read back; a decode step's MLP is the decode backend's, its 16 rows' sums in cache anyway
 #define GATED_ROWS 64
@@ -1451,7 +1481,7 @@ int kvlab_i8_matmul_parts(int num, const int* fmt, const uint8_t* const* w, cons
 
 // A gated MLP's activations y [m, I] (row stride ldy) = act(x · gateᵀ) · (x · upᵀ), gate and up interleaved
 // matrices of I rows each (formats fmt[0], fmt[1]; act an ACT_* id), in one pass: of bfloat16 tiles where
-// the pass is theirs (bf16_for), else of vpdpbusd (gated_items) from GATED_ROWS rows. Each pair of items
+// the pass is theirs (bf16_for), else of vpdpbusd or AVX2 (gated_items) from GATED_ROWS rows. Each pair of items
 // is a gate item and the up item of the same 16 outputs, so the activation is taken as the sums leave the
 // tiles or registers (gated8), where two products write gate and up out for gated_act to read back
 // (Qwen2.5-Coder-0.5B's 512-row passes: 20 MB a layer each way). The same bits as those products and
@@ -1477,7 +1507,7 @@ int kvlab_i8_gated(const int* fmt, const uint8_t* const* w, int64_t I, const flo
         return failed ? -2 : 0;
     }
 #endif
-#if defined(VNNI)
+#if defined(VNNI) || defined(DOT2)
     if (tiles_for(m)) return -1;  // the two products' rows on the int8 tiles
     // x quantized as the two products quantize it: once where gate's and up's sub-blocks agree
     const int64_t groups[2] = {n / l[0].S, n / l[1].S};
@@ -1505,7 +1535,7 @@ int kvlab_i8_gated_rows(void) {
 #if defined(BF16)
     if (amx_available()) return BF16_ROWS;
 #endif
-#if defined(VNNI)
+#if defined(VNNI) || defined(DOT2)
     return tiles_for(GATED_ROWS) ? 0 : GATED_ROWS;  // the int8 tiles' passes: left to the two products
 #else
     return 0;
