@@ -226,6 +226,16 @@ def main() -> int:
         return 0
     if not (args.venv / "bin" / "python").exists():
         raise SystemExit(f"no llama-cpp-python in {args.venv}: run bash benchmarks/setup_llamacpp.sh first")
+    sys.path.insert(0, str(ROOT))
+    from kvlab.errors import KvlabError
+    from kvlab.hub import resolve_model
+
+    try:  # every model pulled before the first round, not a traceback after the first models' rounds
+        for model in args.models:
+            resolve_model(model)
+    except KvlabError as e:
+        print(f"bench_llamacpp: {e} (or leave it out of --models)", file=sys.stderr)
+        return 2
     import tempfile
 
     results = {"command": " ".join(sys.argv), "threads": args.threads, "activation_quant": args.activation_quant,
