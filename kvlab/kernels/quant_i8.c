@@ -483,6 +483,19 @@ typedef struct {  // a gated MLP's gate and up over the same rows, as one pass (
     int act;
 } GatedPass;
 
+#if defined(VNNI) || defined(DOT2)
+// A gated pass's two parts, their item sizes, and for a 5-bit one read by `from` rows or more a buffer for
+// its codes split once per item (else NULL: split per block)
+static void gated_parts(const GatedPass* q, int64_t from, const Product* part[2], int64_t ib[2], uint8_t* whole[2]) {
+    part[0] = &q->gate, part[1] = &q->up;
+    for (int j = 0; j < 2; j++) {
+        ib[j] = item_bytes(&part[j]->l, part[j]->groups);
+        const int split = part[j]->l.nibble == 2 && part[j]->end - part[j]->begin >= from;
+        whole[j] = split ? aligned_alloc(64, part[j]->groups * 512) : NULL;
+    }
+}
+#endif
+
 // A kernel's layout as constants (NIB: 4-bit codes; NW: code registers per group, 4 or 8; MIN; KQ: integer
 // scales), so that finding group b is shifts and adds: its super-block, its place there, its codes.
 #define GROUPS_PER_SUPER(NIB, NW, KQ) ((KQ) ? (!(NIB) && (NW) == 4 ? 16 : 8) : 2)
@@ -1049,14 +1062,10 @@ static void items(void* ctx, uint32_t begin, uint32_t end) {
 // layer each way. The same bits as those products and gated_act.
 static void gated_items(void* ctx, uint32_t begin, uint32_t end) {
     const GatedPass* q = ctx;
-    const Product* part[2] = {&q->gate, &q->up};
+    const Product* part[2];
     int64_t ib[2];
     uint8_t* whole[2];
-    for (int j = 0; j < 2; j++) {
-        ib[j] = item_bytes(&part[j]->l, part[j]->groups);
-        const int split = part[j]->l.nibble == 2 && part[j]->end - part[j]->begin >= SPLIT_ONCE;
-        whole[j] = split ? aligned_alloc(64, part[j]->groups * 512) : NULL;  // none: split per block
-    }
+    gated_parts(q, SPLIT_ONCE, part, ib, whole);
     for (int64_t it = begin; it < end; it++) {
         const int64_t o0 = it * LANES;
         for (int j = 0; j < 2; j++)
@@ -1266,14 +1275,10 @@ static void items(void* ctx, uint32_t begin, uint32_t end) {
 // and one half at a time through both, only act(gate) · up stored
 static void gated_items(void* ctx, uint32_t begin, uint32_t end) {
     const GatedPass* q = ctx;
-    const Product* part[2] = {&q->gate, &q->up};
+    const Product* part[2];
     int64_t ib[2];
     uint8_t* whole[2];
-    for (int j = 0; j < 2; j++) {
-        ib[j] = item_bytes(&part[j]->l, part[j]->groups);
-        const int split = part[j]->l.nibble == 2 && part[j]->end - part[j]->begin >= SPLIT_HALVES;
-        whole[j] = split ? aligned_alloc(64, part[j]->groups * 512) : NULL;  // none: split per block
-    }
+    gated_parts(q, SPLIT_HALVES, part, ib, whole);
     for (int64_t it = begin; it < end; it++) {
         const int64_t o0 = it * LANES;
         for (int j = 0; j < 2; j++)
