@@ -213,10 +213,10 @@ def test_the_repacked_blocks_pages_leave_memory_and_nothing_else_changes(tmp_pat
     assert released and sum(released) > 0
 
 
-@pytest.mark.skipif(not quant.gated_prompt_rows(), reason="neither AMX tiles for bfloat16 nor vpdpbusd here: no gated pass")
+@pytest.mark.skipif(not quant.gated_prompt_rows(), reason="no AMX tiles for bfloat16, vpdpbusd or AVX2 here: no gated pass")
 def test_a_prompts_gated_mlp_in_one_pass_gives_the_mlps_own_bits(gguf_file, monkeypatch):
     """A prompt of gated_prompt_rows() tokens or more: gate, up and the activation in one pass (the bfloat16
-    tiles, or vpdpbusd; CpuOps.gated_product), the logits bit for bit those of the MLP's own
+    tiles, vpdpbusd or AVX2; CpuOps.gated_product), the logits bit for bit those of the MLP's own
     product-then-activation."""
     from kvlab.backends.ops import CpuOps
 

@@ -242,12 +242,12 @@ GATED_ROWS = quant.gated_prompt_rows()
 
 
 @needs_kernel
-@pytest.mark.skipif(not GATED_ROWS, reason="neither AMX tiles for bfloat16 nor vpdpbusd here: no gated pass")
+@pytest.mark.skipif(not GATED_ROWS, reason="no AMX tiles for bfloat16, vpdpbusd or AVX2 here: no gated pass")
 @pytest.mark.parametrize("fmts", [("Q8_0", "Q8_0"), ("Q4_0", "Q4_1"), ("Q5_0", "Q5_0"), ("Q4_K", "Q6_K"), ("Q5_K", "Q4_K"),
                                   ("Q8_0", "Q6_K")])  # fmt: skip
 @pytest.mark.parametrize("act", [0, 1])  # SiLU, GELU (tanh)
 def test_a_gated_mlps_pass_takes_its_activation_as_the_sums_leave_with_the_two_products_bits(fmts, act):
-    """gate and up in one pass (the bfloat16 tiles, or vpdpbusd), act(gate) · up as the sums leave the tiles
+    """gate and up in one pass (the bfloat16 tiles, vpdpbusd or AVX2), act(gate) · up as the sums leave the tiles
     or registers: bit for bit the two parts' product followed by gated_act, on any threads (208 outputs: 13
     pairs, runs of several; Q8_0 with Q6_K: x quantized apart for each); a row's bits are the same in any
     pass; passes of fewer rows and outputs in no whole items are left to the MLP (None)."""

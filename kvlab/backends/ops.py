@@ -185,8 +185,8 @@ class CpuOps(TorchOps):
         return quant.packed_linear(x, parts, out_features)
 
     def gated_product(self, x, parts, activation_id):
-        # --activation-quant int8's prompt-sized passes: gate and up together (on the bfloat16 tiles, or
-        # vpdpbusd), the activation taken as their sums leave the tiles or registers (kernels/quant_i8.c
+        # --activation-quant int8's prompt-sized passes: gate and up together (on the bfloat16 tiles,
+        # vpdpbusd or AVX2), the activation taken as their sums leave the tiles or registers (kernels/quant_i8.c
         # kvlab_i8_gated), where the MLP's own path writes both out and reads them back for gated_act,
         # whose bits these are
         from kvlab.kernels import quant

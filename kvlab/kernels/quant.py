@@ -103,8 +103,8 @@ def bf16_prompt_rows() -> int:
 @functools.cache
 def gated_prompt_rows() -> int:
     """The rows from which a gated MLP's interleaved gate and up and its activation go as one pass
-    (`gated_product`): bf16_prompt_rows() on AMX tiles for bfloat16, else a prompt's passes on vpdpbusd
-    (kernels/quant_i8.c's GATED_ROWS); 0 where this machine or build has neither."""
+    (`gated_product`): bf16_prompt_rows() on AMX tiles for bfloat16, else a prompt's passes on vpdpbusd or
+    AVX2 (kernels/quant_i8.c's GATED_ROWS); 0 where this machine or build has none of them."""
     lib = _library()
     return int(lib["gated_rows"]()) if lib else 0
 
@@ -183,7 +183,7 @@ def _matmul_parts(lib, fmts: list[int], data: list[torch.Tensor], parts, x: torc
 def gated_product(x: torch.Tensor, gate, up, activation_id: int, threads: int | None = None) -> torch.Tensor | None:
     """A gated MLP's act(x · gateᵀ) · (x · upᵀ) [rows, I] float32, gate and up (PackedTensor) in interleaved
     formats, in one pass where it takes the call (gated_prompt_rows() rows or more, I in whole items of 16):
-    on AMX tiles for bfloat16, or on vpdpbusd with only the activation written out; the bits of
+    on AMX tiles for bfloat16, or on vpdpbusd or AVX2 with only the activation written out; the bits of
     packed_linear over both parts, then gemv.gated_act. None where it does not: the caller multiplies,
     then activates."""
     ids, lib, least = _format_ids(), _library(), gated_prompt_rows()

@@ -1359,10 +1359,10 @@ static int bf16_for(int64_t m, int64_t n) {
 
 int kvlab_i8_bf16_pass(int64_t m, int64_t n) { return bf16_for(m, n); }
 
-// The rows from which a gated MLP's gate, up and activation go as one pass on vpdpbusd or AVX2's pairs
-// (kvlab_i8_gated):
-// a prompt's, whose gate and up (20 MB a layer each for Qwen2.5-Coder-0.5B at 512 rows) would be written
-// out and read back; a decode step's MLP is the decode backend's, its 16 rows' sums in cache anyway
+// The rows from which a gated MLP's gate, up and activation go as one pass on vpdpbusd or AVX2
+// (kvlab_i8_gated): a prompt's, whose gate and up (20 MB a layer each for Qwen2.5-Coder-0.5B at 512 rows)
+// would be written out and read back; a decode step's MLP is the decode backend's, its 16 rows' sums in
+// cache anyway
 #define GATED_ROWS 64
 
 int kvlab_i8_bf16_rows(void) {
@@ -1486,9 +1486,9 @@ int kvlab_i8_matmul_parts(int num, const int* fmt, const uint8_t* const* w, cons
 
 // A gated MLP's activations y [m, I] (row stride ldy) = act(x · gateᵀ) · (x · upᵀ), gate and up interleaved
 // matrices of I rows each (formats fmt[0], fmt[1]; act an ACT_* id), in one pass: of bfloat16 tiles where
-// the pass is theirs (bf16_for), else of vpdpbusd or AVX2 (gated_items) from GATED_ROWS rows. Each pair of items
-// is a gate item and the up item of the same 16 outputs, so the activation is taken as the sums leave the
-// tiles or registers (gated8), where two products write gate and up out for gated_act to read back
+// the pass is theirs (bf16_for), else of vpdpbusd or AVX2 (gated_items) from GATED_ROWS rows. Each pair
+// of items is a gate item and the up item of the same 16 outputs, so the activation is taken as the sums
+// leave the tiles or registers (gated8), where two products write gate and up out for gated_act to read back
 // (Qwen2.5-Coder-0.5B's 512-row passes: 20 MB a layer each way). The same bits as those products and
 // gated_act. Returns 0; −1 where the pass is neither's (fewer rows than kvlab_i8_gated_rows(), the int8
 // tiles'), I is not whole items or a format has no interleaved form (the caller multiplies, then

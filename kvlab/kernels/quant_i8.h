@@ -16,7 +16,7 @@ int kvlab_i8_matmul_parts(int num, const int* fmt, const uint8_t* const* w, cons
 int kvlab_i8_bf16_rows(void);
 // Whether a pass of m rows over n inputs goes in bfloat16 on the tiles (kvlab_i8_matmul_parts: one job for all parts)
 int kvlab_i8_bf16_pass(int64_t m, int64_t n);
-// A gated MLP's act(x · gateᵀ) · (x · upᵀ) in one pass (bfloat16 tiles or vpdpbusd); −1 where it is not one
+// A gated MLP's act(x · gateᵀ) · (x · upᵀ) in one pass (bfloat16 tiles, vpdpbusd or AVX2); −1 where it is not
 // (see quant_i8.c)
 int kvlab_i8_gated(const int* fmt, const uint8_t* const* w, int64_t I, const float* x, float* y, int64_t m, int64_t n,
                    int64_t ldy, int act, int threads);
