@@ -91,22 +91,41 @@ class Oracle:
 
         tokens = reference_greedy(self.model, list(ids), n)
         kept.parent.mkdir(parents=True, exist_ok=True)
-        partial = kept.with_suffix(".partial")
+        partial = kept.with_suffix(f".partial-{os.getpid()}")
         partial.write_text(json.dumps(tokens))
         partial.replace(kept)  # whole or not at all
         return tokens
 
     def _keep(self, name: str, write) -> None:
-        """Write one kept folder (the model, the tokenizer) whole or not at all."""
+        """Write one kept folder (the model, the tokenizer) whole or not at all. Each process writes its own
+        partial folder (two test runs on one machine share this cache: a shared name raced, one run's mkdir
+        meeting the other's folder), and one left by a process that is gone is removed."""
         import shutil
 
         target = self.saved / name
-        partial = target.with_name(target.name + ".partial")
+        for stale in self.saved.glob(f"{name}.partial-*"):
+            pid = stale.name.rsplit("-", 1)[1]
+            if not pid.isdigit() or not _alive(int(pid)):
+                shutil.rmtree(stale, ignore_errors=True)
+        partial = target.with_name(f"{target.name}.partial-{os.getpid()}")
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
         write(partial)
         shutil.rmtree(target, ignore_errors=True)
-        partial.rename(target)
+        try:
+            partial.rename(target)
+        except OSError:  # another run kept it in the meantime: theirs stays
+            shutil.rmtree(partial, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's
+        return True
+    return True
 
 
 @pytest.fixture(scope="session")
