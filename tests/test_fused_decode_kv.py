@@ -18,6 +18,8 @@ directly. Checked here:
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -25,8 +27,8 @@ from kvlab.config import EngineConfig
 from kvlab.engine import LLMEngine
 from kvlab.kernels import ThreadPolicy
 from kvlab.backends.cpu import CpuDecodeBackend
-from kvlab.kernels.decode import attention_rows, kv_format_ids, library
-from kvlab.kv.formats import KV_FORMATS, hadamard, unrotated
+from kvlab.kernels.decode import attention_rows, kv_format_ids, kv_write, library
+from kvlab.kv.formats import KV_FORMATS, hadamard, rotated, unrotated
 from kvlab.model.loader import load_model
 from kvlab.sampling import SamplingParams
 from tiny import build_tiny
@@ -40,6 +42,88 @@ def kv_format_id(fmt) -> int:
 QUANTIZED = ["q8_0", "q4_0", "fp8_e4m3"]
 SETTINGS = [("q8_0", "q8_0"), ("q4_0", "q4_0"), ("fp8_e4m3", "fp8_e4m3"), ("q8_0", "q4_0"), ("fp8_e4m3", "q8_0"),
             ("float32", "q4_0"), ("bfloat16", "float16")]  # fmt: skip
+
+
+# ---- a prompt pass's keys and values into the cache (kv_codec.c's kvlab_kv_write) -----------------
+
+
+def storage_for(fmt, blocks: int, bs: int, hkv: int, d: int) -> list[torch.Tensor]:
+    """One layer's storage tensors of `fmt`, [blocks, bs, hkv, ...] each, filled with a byte pattern (so
+    that a slot written with zeros, or one not written at all, shows)."""
+    return [torch.full((blocks * bs * hkv * math.prod(shape) * dtype.itemsize,), 0xA5, dtype=torch.uint8)
+            .view(dtype).view(blocks, bs, hkv, *shape) for shape, dtype in fmt.storage(d)]  # fmt: skip
+
+
+@pytest.mark.parametrize("rotate", [False, True], ids=["plain", "rotated"])
+@pytest.mark.parametrize("fmt_name", QUANTIZED + ["float32", "bfloat16", "float16"])
+def test_a_passes_keys_go_into_their_slots_as_the_python_encoder_and_copy_put_them(fmt_name, rotate):
+    """kernels/decode.py's kv_write (a prompt pass's K or V, [N, Hkv, D] strided as paged.py's write hands
+    it over: a transposed [Hkv, N, D]) stores, slot by slot, the bytes formats.py's encode and index_copy_
+    store, the rotation included; every other slot keeps its bytes."""
+    fmt = KV_FORMATS[fmt_name]
+    fmt = rotated(fmt) if rotate else fmt
+    hkv, d, bs, blocks = 3, 64, 16, 8
+    x = torch.cat([awkward_vectors(d, seed) for seed in range(3)])[: 3 * 40]  # 120 vectors: 40 tokens × 3 heads
+    heads_first = x.view(40, hkv, d).transpose(0, 1).contiguous()  # [Hkv, N, D], as the model's k [1, Hkv, N, D]
+    rows = heads_first.transpose(0, 1)  # [N, Hkv, D], not contiguous
+    slots = torch.randperm(blocks * bs, generator=torch.Generator().manual_seed(3))[:40]
+    mine, theirs = storage_for(fmt, blocks, bs, hkv, d), storage_for(fmt, blocks, bs, hkv, d)
+    assert kv_write(unrotated(fmt).name, rotate, rows, slots, mine)
+    for t, value in zip(theirs, fmt.encode(rows)):
+        t.view(-1, *t.shape[2:]).index_copy_(0, slots, value)
+    for a, b in zip(mine, theirs):
+        bytes_a, bytes_b = a.view(torch.uint8), b.view(torch.uint8)
+        assert torch.equal(bytes_a, bytes_b), f"{fmt.name}: {(bytes_a != bytes_b).sum()} bytes differ"
+
+
+def test_the_writer_leaves_to_pytorch_what_it_does_not_take():
+    """No call it cannot make safely: a slot outside the storage, a head size past its buffers, other dtypes,
+    storage of another shape, an unknown format; each leaves the storage as it was."""
+    fmt = KV_FORMATS["bfloat16"]
+    rows, slots = torch.randn(4, 2, 64), torch.tensor([0, 5, 9, 31])
+    for bad_rows, bad_slots, name in [
+        (rows, torch.tensor([0, 5, 9, 32]), "bfloat16"),  # slot 32 of 2 blocks × 16
+        (rows, torch.tensor([0, -1, 9, 3]), "bfloat16"),
+        (rows.double(), slots, "bfloat16"),
+        (rows, slots.int(), "bfloat16"),
+        (rows, slots[:3], "bfloat16"),
+        (rows[..., ::2], slots, "bfloat16"),  # the last dimension not contiguous
+        (rows, slots, "bfloat17"),
+    ]:
+        parts = storage_for(fmt, 2, 16, 2, bad_rows.shape[-1] if bad_rows.stride(-1) == 1 else 64)
+        before = [t.clone() for t in parts]
+        assert not kv_write(name, False, bad_rows, bad_slots, parts)
+        assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(parts, before))
+    assert not kv_write("bfloat16", False, rows, slots, storage_for(fmt, 2, 16, 3, 64))  # 3 kv heads stored, 2 given
+    wide = torch.randn(4, 1, 1024)  # past the encoder's buffer (MAX_HEAD_DIM)
+    assert not kv_write("q8_0", True, wide, slots, storage_for(KV_FORMATS["q8_0"], 2, 16, 1, 1024))
+
+
+def test_a_prompt_pass_writes_its_cache_through_the_kernels_with_the_same_bytes(model, monkeypatch):
+    """A served batch (prompts of several chunks, then decode steps) leaves the same cache bytes, layer by
+    layer, whether the prompt passes' K/V go through the kernels' writer or PyTorch's encode and copy; and
+    the writer did take the passes."""
+    from kvlab.backends.ops import CpuOps
+
+    batch = prompts(6, seed=8)
+    caches, calls = {}, []
+    write = CpuOps.kv_write
+    for through_kernels in (True, False):
+        if through_kernels:
+            monkeypatch.setattr(CpuOps, "kv_write", lambda self, *a: calls.append(1) or write(self, *a))
+        else:
+            monkeypatch.setattr(CpuOps, "kv_write", lambda self, *a: False)
+        engine = engine_for(model, "bfloat16", "q8_0", "auto", fused=True)  # both of CpuOps's KV_WRITES
+        for t in engine.cache.tensors():  # the pool's memory as allocated is whatever was there: one pattern
+            t.view(torch.uint8).fill_(0xA5)
+        params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+        for p in batch:
+            engine.add_request(p, params)
+        while engine.has_unfinished_requests:
+            engine.step()
+        caches[through_kernels] = [t.view(torch.uint8).clone() for t in engine.cache.tensors()]
+    assert calls  # the prompt passes took the kernels' writer
+    assert all(torch.equal(a, b) for a, b in zip(caches[True], caches[False]))
 
 
 # ---- the reference of the rotation: the matrix ----------------------------------------------------

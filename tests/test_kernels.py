@@ -267,6 +267,7 @@ def test_c_prompt_attention_matches_sdpa(B, H, Hkv, T, L, D, masked):
     with ThreadPolicy(threads=2).applied():
         got = gemv.prompt_attention(q, k, v, mask, 0.125)
     assert got is not None and got.shape == (B, H, T, D)
+    assert got.transpose(1, 2).is_contiguous()  # laid out [B, T, H, D]: the output projection's rows, no copy between
     ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=True, scale=0.125)
     torch.testing.assert_close(got, ref, rtol=0, atol=2e-5)
     # each sequence's rows are its own: alone, the same bits as among the others

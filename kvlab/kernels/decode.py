@@ -144,6 +144,30 @@ def _names(what: str) -> dict[str, int]:
     return ids
 
 
+def kv_write(fmt_name: str, rotate: bool, x: torch.Tensor, slots: torch.Tensor, parts: list[torch.Tensor]) -> bool:
+    """x [N, Hkv, D] (float32, D contiguous) → one layer's storage tensors `parts` (kv/formats.py's storage,
+    [blocks, block size, Hkv, ...] each) at the token slots `slots` [N], encoded as the format `fmt_name`
+    encodes them (rotated by H first with `rotate`): kv_codec.c's kvlab_kv_write, the bytes that
+    formats.py's encode and index_copy_ write. False where it does not take the call (no library, a
+    format or head size it does not know, other dtypes or layouts, a slot outside the storage)."""
+    lib, ids = library(), kv_format_ids()
+    if lib is None or fmt_name not in ids or x.dim() != 3 or not parts:
+        return False
+    N, Hkv, D = x.shape
+    codes, scales = parts[0], parts[1] if len(parts) > 1 else None
+    if x.dtype != torch.float32 or x.device.type != "cpu" or x.stride(-1) != 1 or N == 0:
+        return False
+    if slots.dtype != torch.int64 or slots.device.type != "cpu" or slots.shape != (N,) or not slots.is_contiguous():
+        return False
+    if any(not t.is_contiguous() or t.device.type != "cpu" or t.dim() < 3 or t.shape[2] != Hkv for t in parts):
+        return False
+    if int(slots.min()) < 0 or int(slots.max()) >= codes.shape[0] * codes.shape[1]:
+        return False  # index_copy_ says what is wrong
+    status = lib["kv_write"](kv_format_ids()[fmt_name], int(rotate), x.data_ptr(), x.stride(0), x.stride(1), N, Hkv, D,
+                             slots.data_ptr(), codes.data_ptr(), scales.data_ptr() if scales is not None else None)  # fmt: skip
+    return status == 0
+
+
 def attention_rows(on: bool) -> bool | None:
     """Whether the decode step's attention may read float32 / bfloat16 / float16 rows in place
     (attention.c's attend_rows: the same bits as its general form, faster); returns the setting it

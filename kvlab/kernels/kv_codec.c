@@ -124,6 +124,29 @@ void kvlab_kv_hadamard(float* x, int64_t D) {
     for (int64_t i = 0; i < D; i++) x[i] *= norm;
 }
 
+// -- a prompt pass's keys or values into the cache (kv/paged.py's write, through kernels/decode.py's
+// kv_write): vector h of token n of x [N, Hkv, D] (at x + n·sn + h·sh floats, D contiguous), rotated by H
+// first where `rotate`, into vector slots[n]·Hkv + h of the store, in one pass: the bytes formats.py's
+// encode and index_copy_ write, without their temporaries (the formats it pays for: backends/ops.py's
+// KV_WRITES). 0, or −1 where the format cannot take D.
+int kvlab_kv_write(int fmt, int rotate, const float* x, int64_t sn, int64_t sh, int64_t N, int64_t Hkv, int64_t D,
+                   const int64_t* slots, void* codes, void* scales) {
+    if (fmt < 0 || fmt >= KV_FORMATS || ((fmt == KV_Q8_0 || fmt == KV_Q4_0) && D % QK) || D > MAX_HEAD_DIM) return -1;
+    const KVStore s = {fmt, codes, scales};
+    float buf[MAX_HEAD_DIM];
+    for (int64_t n = 0; n < N; n++)
+        for (int64_t h = 0; h < Hkv; h++) {
+            const float* v = x + n * sn + h * sh;
+            if (rotate) {
+                memcpy(buf, v, D * sizeof(float));
+                kvlab_kv_hadamard(buf, D);
+                v = buf;
+            }
+            kvlab_kv_encode_vector(&s, v, slots[n] * Hkv + h, D);
+        }
+    return 0;
+}
+
 // -- the same functions for the tests (tests/test_fused_decode_kv.py): `vectors` vectors of D values,
 // contiguous; codes and scales as one layer's storage tensors of that many vectors
 

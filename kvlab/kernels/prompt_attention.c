@@ -23,12 +23,17 @@
 typedef struct {
     const float *q, *k, *v;
     const uint8_t* mask;  // [b, t, L] bool, True where a query may look (b and t at their strides), or NULL
-    float* out;           // [B, H, T, D]
+    float* out;           // [B, H, T, D] at the strides os
     int64_t B, H, Hkv, T, L, D;
-    int64_t qs[3], ks[3], vs[3], ms[2];  // strides (floats; bytes for the mask) of b, head, token / b, t
+    int64_t qs[3], ks[3], vs[3], os[3], ms[2];  // strides (floats; bytes for the mask) of b, head, token / b, t
     float scale;
     int failed;  // a thread found no memory for its scores
 } Prompt;
+
+// the output row of query t of head h of sequence b
+static inline float* out_row(const Prompt* p, int64_t b, int64_t h, int64_t t) {
+    return p->out + b * p->os[0] + h * p->os[1] + t * p->os[2];
+}
 
 // o [D] (zeros) += Σ_j w[j] · v_j over keys j < n (row j at V + j · stride), the sums in registers: two
 // sets, even and odd keys, added at the end (one set waited on its own FMAs; o summed in memory key after
@@ -87,7 +92,7 @@ static void prompt_items(void* ctx, uint32_t begin, uint32_t end) {
         for (int64_t t = tile * QUERY_TILE; t < t1; t++) {
             const float* q = p->q + b * p->qs[0] + h * p->qs[1] + t * p->qs[2];
             const uint8_t* m = p->mask ? p->mask + b * p->ms[0] + t * p->ms[1] : NULL;
-            float* o = p->out + ((b * p->H + h) * T + t) * D;
+            float* o = out_row(p, b, h, t);
             // keys 0 .. n − 1: the masks are causal (no query sees a key after its own position)
             const int64_t n = t + L - T + 1 < L ? t + L - T + 1 : L;
             int64_t j = 0;
@@ -198,7 +203,7 @@ static inline __attribute__((always_inline)) void prompt_tile(const Prompt* p, u
     const int64_t rows = (t1 - t0) * group;  // (query, head) pairs: pair i is query t0 + i / group, head h0 + i % group
     for (int64_t i = 0; i < rows; i++) {
         run[i] = (Running){-INFINITY, 0.0f};
-        memset(p->out + ((b * p->H + h0 + i % group) * T + t0 + i / group) * D, 0, D * sizeof(float));
+        memset(out_row(p, b, h0 + i % group, t0 + i / group), 0, D * sizeof(float));
     }
     const int64_t nmax = t1 - 1 + L - T + 1 < L ? t1 - 1 + L - T + 1 : L;  // keys the tile's last query sees
     const __m512 scale = _mm512_set1_ps(p->scale), minus_inf = _mm512_set1_ps(-INFINITY);
@@ -246,12 +251,12 @@ static inline __attribute__((always_inline)) void prompt_tile(const Prompt* p, u
                     allowed &= _mm_test_epi8_mask(_mm_loadu_si128((const __m128i*)bytes), _mm_set1_epi8((char)0xFF));
                 }
                 const __m512 sc = _mm512_mask_mov_ps(minus_inf, allowed, _mm512_mul_ps(s[k], scale));
-                block_values(p->out + ((b * p->H + h) * T + t) * D, run + pair[k], sc, V + j0 * p->vs[2], p->vs[2], nk, DV);
+                block_values(out_row(p, b, h, t), run + pair[k], sc, V + j0 * p->vs[2], p->vs[2], nk, DV);
             }
         }
     }
     for (int64_t i = 0; i < rows; i++) {
-        float* o = p->out + ((b * p->H + h0 + i % group) * T + t0 + i / group) * D;
+        float* o = out_row(p, b, h0 + i % group, t0 + i / group);
         const float inv = run[i].l > 0.0f ? 1.0f / run[i].l : 0.0f;  // no key to look at: zeros
         for (int64_t d = 0; d < D; d++) o[d] *= inv;
     }
@@ -276,16 +281,16 @@ static void prompt_tiles(void* ctx, uint32_t begin, uint32_t end) {
 #define PROMPT_TILES 1
 #endif
 
-// out [B, H, T, D] (contiguous) = softmax(q · kᵀ · scale) · v per query head, q
-// [B, H, T, D], k and v [B, Hkv, L, D] (each the last dimension contiguous, the rest at the strides given,
-// in floats), the T queries the sequences' last: query t at position L − T + t sees keys up to its own,
+// out [B, H, T, D] = softmax(q · kᵀ · scale) · v per query head, q [B, H, T, D], k and v [B, Hkv, L, D]
+// (each, out too, the last dimension contiguous, the rest at the strides given, in floats: out laid out
+// [B, T, H, D], each token's heads side by side as the output projection reads them, takes no copy after), the T queries the sequences' last: query t at position L − T + t sees keys up to its own,
 // and of those only where mask [b, t, key] (bytes, at strides ms; NULL: no mask) is nonzero. 0, or -1
 // where there was no memory for the scores (out then incomplete).
 int kvlab_prompt_attention(const float* q, const int64_t* qs, const float* k, const int64_t* ks, const float* v,
-                            const int64_t* vs, const uint8_t* mask, const int64_t* ms, float* out, int64_t B, int64_t H,
-                            int64_t Hkv, int64_t T, int64_t L, int64_t D, float scale, int threads) {
+                            const int64_t* vs, const uint8_t* mask, const int64_t* ms, float* out, const int64_t* os,
+                            int64_t B, int64_t H, int64_t Hkv, int64_t T, int64_t L, int64_t D, float scale, int threads) {
     Prompt p = {q, k, v, mask, out, B, H, Hkv, T, L, D, {qs[0], qs[1], qs[2]}, {ks[0], ks[1], ks[2]},
-                {vs[0], vs[1], vs[2]}, {mask ? ms[0] : 0, mask ? ms[1] : 0}, scale, 0};
+                {vs[0], vs[1], vs[2]}, {os[0], os[1], os[2]}, {mask ? ms[0] : 0, mask ? ms[1] : 0}, scale, 0};
 #if defined(PROMPT_TILES)
     if (D == 64 || D == 128 || D == 256) {
         kvlab_pool_run(prompt_tiles, &p, (uint32_t)(B * Hkv * ((T + PROMPT_TILE - 1) / PROMPT_TILE)), 1, threads);

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvlab.backends.ops import current_ops
 from kvlab.kv.cache import AttentionMetadata, KVCache, allocate, kv_geometry
 from kvlab.kv.formats import KVFormats
 from kvlab.kv.layout import KVLayout
@@ -156,9 +157,14 @@ class PagedKVCache(KVCache):
     # ---- writes and reads -------------------------------------------------------------------------
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, meta: KVGroupMetadata) -> None:
-        """k, v [1, Hkv, N, D] of the step's packed tokens → their slots (the layer's KV group's mapping)."""
+        """k, v [1, Hkv, N, D] of the step's packed tokens → their slots (the layer's KV group's mapping):
+        by the device's ops where they take it (the CPU kernels' encoder), else encoded here and copied in."""
+        ops = current_ops()
         for parts, fmt, x in ((self.k_parts[layer], self.formats.k, k), (self.v_parts[layer], self.formats.v, v)):
-            for t, value in zip(parts, fmt.encode(x[0].transpose(0, 1)) if parts else ()):  # [N, Hkv, ...] each
+            rows = x[0].transpose(0, 1)  # [N, Hkv, D]
+            if not parts or ops.kv_write(fmt, rows, meta.slot_mapping, parts):
+                continue
+            for t, value in zip(parts, fmt.encode(rows)):  # [N, Hkv, ...] each
                 t.view(-1, *t.shape[2:]).index_copy_(0, meta.slot_mapping, value)
 
     def gather(self, layer: int, group: AttentionGroup) -> tuple[torch.Tensor, torch.Tensor]:
