@@ -227,9 +227,10 @@ static inline __attribute__((always_inline)) void row_scores(const float* q, int
 // are widened 32 values a load: the even ones' bits shifted up, the odd ones' masked (one instruction
 // per 16 values, where a widening load and a shift took two), their sums apart and interleaved at the
 // end; each value's own sum is the same sequence of FMAs, so the same bits. With sums8_wide for the
-// scores, on an Intel Xeon VM (Emerald Rapids, 2 vCPUs, AMX; a C harness, SmolLM2's shape, bfloat16 rows in
-// L2, the fastest of 15 × 20 calls, three runs alternated with the old code): one thread, 16 sequences over 256 keys 240 -> 224 us a layer, over 96
-// 83 -> 76, one over 1,024 43 -> 37; two threads, 64 over 320 907 -> 842; float32 rows unchanged.
+// scores, on an Intel Xeon VM (Emerald Rapids, 2 vCPUs; a C harness, SmolLM2's shape, bfloat16 rows in
+// L2, the fastest of 15 × 20 calls, three runs alternated with the old code): one thread, 16 sequences
+// over 256 keys 240 -> 224 us a layer, over 96 83 -> 76, one over 1,024 43 -> 37; two threads, 64 over
+// 320 907 -> 842; float32 rows unchanged.
 static inline __attribute__((always_inline)) void row_values(const float* p, int64_t stride, const KVStore* s,
                                                              const int64_t* vecs, int64_t lo, int64_t hi, int64_t g,
                                                              float* o, const int NH, const int DV, const int FMT,

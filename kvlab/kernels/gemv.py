@@ -318,11 +318,11 @@ def gated_act(gate: torch.Tensor, up: torch.Tensor, activation_id: int) -> torch
 
 def prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                      scale: float) -> torch.Tensor | None:
-    """softmax(q · kᵀ · scale) · v [B, H, T, D] (laid out [B, T, H, D]) for a pass's T new queries per sequence (prompt_attention.c's
-    kvlab_prompt_attention, on the kernels' pool): q [B, H, T, D], k and v [B, Hkv, L, D], query t at position
-    L − T + t seeing the keys up to its own and, with `mask` ([1 or B, 1, T, L] bool, True = may look: a causal
-    one), only those. None where the C version does not take the call (not float32 tensors on a CPU, another
-    layout, no kernels): the caller runs PyTorch's."""
+    """softmax(q · kᵀ · scale) · v [B, H, T, D] (laid out [B, T, H, D]) for a pass's T new queries per
+    sequence (prompt_attention.c's kvlab_prompt_attention, on the kernels' pool): q [B, H, T, D], k and v
+    [B, Hkv, L, D], query t at position L − T + t seeing the keys up to its own and, with `mask` ([1 or B,
+    1, T, L] bool, True = may look: a causal one), only those. None where the C version does not take the
+    call (not float32 tensors on a CPU, another layout, no kernels): the caller runs PyTorch's."""
     B, H, T, D = q.shape
     if k.dim() != 4 or v.shape != k.shape or k.shape[0] != B or k.shape[3] != D or H % k.shape[1]:
         return None

@@ -282,10 +282,11 @@ static void prompt_tiles(void* ctx, uint32_t begin, uint32_t end) {
 #endif
 
 // out [B, H, T, D] = softmax(q · kᵀ · scale) · v per query head, q [B, H, T, D], k and v [B, Hkv, L, D]
-// (each, out too, the last dimension contiguous, the rest at the strides given, in floats: out laid out
-// [B, T, H, D], each token's heads side by side as the output projection reads them, takes no copy after), the T queries the sequences' last: query t at position L − T + t sees keys up to its own,
-// and of those only where mask [b, t, key] (bytes, at strides ms; NULL: no mask) is nonzero. 0, or -1
-// where there was no memory for the scores (out then incomplete).
+// (each, out too, the last dimension contiguous, the rest at the strides given, in floats; the caller lays
+// out out [B, T, H, D], a token's heads side by side as the output projection reads them), the T queries
+// the sequences' last: query t at position L − T + t sees keys up to its own, and of those only where
+// mask [b, t, key] (bytes, at strides ms; NULL: no mask) is nonzero. 0, or -1 where there was no memory
+// for the scores (out then incomplete).
 int kvlab_prompt_attention(const float* q, const int64_t* qs, const float* k, const int64_t* ks, const float* v,
                             const int64_t* vs, const uint8_t* mask, const int64_t* ms, float* out, const int64_t* os,
                             int64_t B, int64_t H, int64_t Hkv, int64_t T, int64_t L, int64_t D, float scale, int threads) {
