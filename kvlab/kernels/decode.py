@@ -163,7 +163,7 @@ def kv_write(fmt_name: str, rotate: bool, x: torch.Tensor, slots: torch.Tensor, 
         return False
     if int(slots.min()) < 0 or int(slots.max()) >= codes.shape[0] * codes.shape[1]:
         return False  # index_copy_ says what is wrong
-    status = lib["kv_write"](kv_format_ids()[fmt_name], int(rotate), x.data_ptr(), x.stride(0), x.stride(1), N, Hkv, D,
+    status = lib["kv_write"](ids[fmt_name], int(rotate), x.data_ptr(), x.stride(0), x.stride(1), N, Hkv, D,
                              slots.data_ptr(), codes.data_ptr(), scales.data_ptr() if scales is not None else None)  # fmt: skip
     return status == 0
 
