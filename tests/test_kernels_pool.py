@@ -160,3 +160,29 @@ def test_workers_a_call_leaves_out_sleep_through_it():
         linear(x, w, b, threads=2)
     assert pool_stats()["wakeups"] - before <= 100  # each call signals worker 0 at most
     assert pool_stats()["asleep"] >= 7
+
+
+def _expected_claims(num_items: int, chunk: int, threads: int) -> dict[int, int]:
+    """pool.c's rule: `chunk` items a claim, fewer near the end (a 2·threads-th of what is left, but not
+    under 4, nor over chunk), and never past the last item."""
+    if num_items <= chunk:  # one chunk: the caller computes it alone
+        return {0: num_items}
+    claims, begin = {}, 0
+    while begin < num_items:
+        left = num_items - begin
+        size = min(chunk, max(left // (2 * threads), 4), left)
+        claims[begin], begin = size, begin + size
+    return claims
+
+
+@pytest.mark.parametrize("num_items,chunk,threads", [(60, 15, 2), (96, 24, 2), (36, 4, 2), (1000, 1, 3), (3072, 96, 2),
+                                                     (17, 100, 2), (5, 4, 2), (200, 50, 4)])  # fmt: skip
+def test_each_item_is_computed_once_and_claims_shrink_near_the_end(num_items, chunk, threads):
+    """Runs of a quarter of a job left one core idle for up to a run at its end: claims now shrink as the
+    work runs out. Whoever claims it, the claim that starts at an item has the size the rule gives it."""
+    for _ in range(20):
+        counts, claims = gemv._pool_claims(num_items, chunk, threads)
+        assert counts == [1] * num_items
+        assert claims == _expected_claims(num_items, chunk, threads)
+    if num_items > chunk:  # however long the runs, the last claim is short
+        assert claims[max(claims)] <= 4

@@ -137,6 +137,7 @@ def _load() -> None:
     _pool["stats"] = _bind(lib, "kvlab_pool_stats", [ctypes.POINTER(_PoolStats)])
     _pool["set_generation"] = _bind(lib, "kvlab_pool_set_generation", [ctypes.c_uint32], ctypes.c_int)
     _pool["hold"] = _bind(lib, "kvlab_pool_hold", [ctypes.c_int], ctypes.c_int)
+    _pool["cover"] = _bind(lib, "kvlab_pool_cover", [ctypes.c_uint32, ctypes.c_uint32, ctypes.c_int, pointer, pointer])
     int_p = ctypes.POINTER(ctypes.c_int)
     _quant["format"] = _bind(lib, "kvlab_quant_format", [ctypes.c_int, int_p, int_p], ctypes.c_char_p)
     _quant["isa"] = _bind(lib, "kvlab_quant_isa", [], ctypes.c_char_p)
@@ -259,6 +260,15 @@ def _set_pool_generation(generation: int) -> None:
     """Start the pool's job counter at `generation` (tests of its wrap-around at 2³¹ and 2³²)."""
     if _pool["set_generation"](generation) != 0:
         raise RuntimeError("the kernel pool is busy")
+
+
+def _pool_claims(num_items: int, chunk: int, threads: int) -> tuple[list[int], dict[int, int]]:
+    """A job of num_items items on the pool: how many times each item was computed, and the claims as
+    {first item: size} (tests of how the pool hands out work)."""
+    counts = torch.zeros(num_items, dtype=torch.int32)
+    sizes = torch.zeros(num_items, dtype=torch.int32)
+    _pool["cover"](num_items, chunk, threads, counts.data_ptr(), sizes.data_ptr())
+    return counts.tolist(), {b: s for b, s in enumerate(sizes.tolist()) if s}
 
 
 @contextmanager
