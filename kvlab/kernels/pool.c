@@ -20,9 +20,9 @@
 #define MAX_WORKERS 63            // one bit each in `asleep`
 #define WARM_SECONDS 0.002        // a helper idle this long sleeps: decode calls come every ~100 us
 #define CALLER_SPIN_SECONDS 5e-5  // then a caller waiting for claimed chunks yields its core to them
-// A claim takes `chunk` items, or fewer near the job's end: a (2 · threads)th of the items left, but not
-// under GUIDED_LEAST (nor under `chunk` where that is smaller), so that no thread waits long for another's
-// last long claim. Runs of a quarter of a job (claim_size in quant_i8.c, 16-64 rows) had one core idle
+// A claim takes `chunk` items, or fewer near the job's end: a (2 · threads)th of the items left, but at
+// least GUIDED_LEAST (or `chunk`, where that is smaller), so that no thread waits long for another's last
+// long claim. Runs of a quarter of a job (claim_size in quant_i8.c, 16-64 rows) had one core idle
 // for up to a run at the end of each product: on an Intel Xeon VM, 2 threads, int8, decode steps of 16
 // alternated with the old rule in one process, SmolLM2 0.93-0.96x, Qwen2.5-Coder-0.5B 0.96x, a 512-token
 // SmolLM2 prompt 0.95x; one-sequence steps and the exact products unchanged (1.00x).
