@@ -33,7 +33,7 @@ from kvlab import LLM, SamplingParams  # noqa: E402
 from kvlab.backends.cpu import PHASES  # noqa: E402
 from kvlab.lab.common import cpu_model  # noqa: E402
 
-SETTINGS = {"exact": None, "int8": "int8"}
+SETTINGS = {"exact": None, "int8": "int8", "bf16x3": "bf16x3"}
 
 
 def decode_steps(llm: LLM, batch: int, steps: int, prompt_len: int, seed: int) -> tuple[list[float], list[float]]:

@@ -21,10 +21,12 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="expand a GGUF file's quantized blocks to --dtype floats at load (default: compute with them)")
     g.add_argument("--quantization", choices=["q8_0", "q4_0"],
                    help="quantize a float checkpoint's weights to these GGUF blocks at load")
-    g.add_argument("--activation-quant", choices=["int8"],
+    g.add_argument("--activation-quant", choices=["int8", "bf16x3"],
                    help="int8: quantize activations to 8 bits in every product over GGUF blocks, as llama.cpp does "
                         "(faster, most of all for many sequences at once, but not exact: kvlab quality MODEL "
-                        "--activation-quant int8 measures it; default: exact float32 activations)")  # fmt: skip
+                        "--activation-quant int8 measures it); bf16x3: each activation as three bfloat16 parts, "
+                        "multiplied exactly on AMX tiles (Intel Xeon 4th generation or later; faster for many "
+                        "sequences at once); default: exact float32 activations")  # fmt: skip
     g.add_argument("--device", default="cpu", help="torch device: cpu, cuda, cuda:1, … (default cpu)")
     g.add_argument("--threads", type=int,
                    help="CPU threads (default: one per core, fewer when other programs keep cores busy)")

@@ -33,7 +33,7 @@ from kvlab.engine import LLMEngine
 from kvlab.errors import KvlabError
 from kvlab.kernels import ThreadPolicy, cpu_load
 from kvlab.model.loader import load_model
-from kvlab.quant.activations import check_activation_quant, with_int8_activations
+from kvlab.quant.activations import check_activation_quant, with_activation_setting
 from kvlab.output.result import RequestOutput
 from kvlab.parallel.group import TPGroup
 from kvlab.sampling import SamplingParams
@@ -75,7 +75,8 @@ class LLM:
         `dequantize`: expand a GGUF file's blocks to `dtype` floats at load (default: compute with them
         as stored). `quantization`: "q8_0" or "q4_0" blocks made from a float checkpoint at load.
         `activation_quant`: "int8" rounds activations to 8 bits in every product over blocks
-        (kvlab/quant/activations.py: faster, not exact; default None, exact).
+        (kvlab/quant/activations.py: faster, not exact; default None, exact); "bf16x3" keeps them exact
+        as three bfloat16 parts on AMX tiles (faster for many sequences at once).
         `engine_options` are EngineConfig fields: block_size, kv_memory_bytes, kv_memory_fraction,
         max_num_seqs, max_num_batched_tokens, enable_prefix_caching, pack_prompts, prompt_cache_dir and
         prompt_cache_size (the prefix cache's blocks kept on disk too, kv/prompt_cache.py).
@@ -111,7 +112,7 @@ class LLM:
             self.loaded = shard_model(self.loaded, self.group)  # this rank's shard of every layer
         if activation_quant is not None:
             check_activation_quant(activation_quant)
-            self.loaded = with_int8_activations(self.loaded)  # after sharding: each rank repacks its own rows
+            self.loaded = with_activation_setting(self.loaded, activation_quant)  # after sharding: each rank repacks its own rows
         default = torch.get_num_threads()
         self.policy = ThreadPolicy(threads=threads or (self.cpu_load.threads_for(default) if self.cpu_load else default))
         self.config = self.loaded.config

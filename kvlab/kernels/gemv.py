@@ -142,6 +142,7 @@ def _load() -> None:
     _quant["format"] = _bind(lib, "kvlab_quant_format", [ctypes.c_int, int_p, int_p], ctypes.c_char_p)
     _quant["isa"] = _bind(lib, "kvlab_quant_isa", [], ctypes.c_char_p)
     _quant["bf16_rows"] = _bind(lib, "kvlab_i8_bf16_rows", [], ctypes.c_int)
+    _quant["t16_available"] = _bind(lib, "kvlab_t16_available", [], ctypes.c_int)
     _quant["gated_rows"] = _bind(lib, "kvlab_i8_gated_rows", [], ctypes.c_int)
     _quant["matmul"] = _bind(lib, "kvlab_quant_matmul", [ctypes.c_int] + [pointer, int64] + [pointer] * 2 + [int64] * 4 + [ctypes.c_int], ctypes.c_int)
     _quant["matmul_parts"] = _bind(lib, "kvlab_quant_matmul_parts", [ctypes.c_int] + [pointer] * 6 + [int64] * 3 + [ctypes.c_int], ctypes.c_int)

@@ -288,7 +288,7 @@ static void dequant_bf16(const uint8_t* w, int64_t ldw, int rows, int64_t n, flo
 #pragma GCC pop_options
 #endif
 
-enum { F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q4_K, Q5_K, Q6_K, INTERLEAVED };  // FORMATS' order
+enum { F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q4_K, Q5_K, Q6_K, INTERLEAVED, TILED = INTERLEAVED + 7 };  // FORMATS' order
 _Static_assert((int)Q8_0 == (int)KVLAB_Q8_0 && (int)Q6_K == (int)KVLAB_Q6_K, "quant_i8.h numbers the formats as FORMATS does");
 
 typedef struct {
@@ -307,7 +307,11 @@ static const Format FORMATS[] = {
     // is format Q8_0 + k's; one "block" is one row's sub-block of an item's group
     {"Q8_0x16", 32, 36, NULL}, {"Q4_0x16", 32, 20, NULL}, {"Q4_1x16", 32, 24, NULL}, {"Q5_0x16", 32, 36, NULL},
     {"Q4_Kx16", 32, 24, NULL}, {"Q5_Kx16", 32, 40, NULL}, {"Q6_Kx16", 16, 20, NULL},
+    // the same bytes multiplied exactly on AMX bfloat16 tiles (quant_i8.c's kvlab_t16_matmul): TILED + k
+    {"Q8_0t16", 32, 36, NULL}, {"Q4_0t16", 32, 20, NULL}, {"Q4_1t16", 32, 24, NULL}, {"Q5_0t16", 32, 36, NULL},
+    {"Q4_Kt16", 32, 24, NULL}, {"Q5_Kt16", 32, 40, NULL}, {"Q6_Kt16", 16, 20, NULL},
 };
+_Static_assert(sizeof FORMATS / sizeof FORMATS[0] == TILED + 7, "an interleaved and a tiled form for each of Q8_0 .. Q6_K");
 #define NUM_FORMATS (int)(sizeof FORMATS / sizeof FORMATS[0])
 
 // Which exact product this build has: "avx512" (codes looked up), "avx2" (codes converted) or "portable"
@@ -1629,6 +1633,7 @@ static inline int64_t pass_rows(int64_t n) {
 int kvlab_quant_matmul(int fmt, const uint8_t* w, int64_t ldw, const float* x, float* y, int64_t m, int64_t n,
                        int64_t ldy, int64_t out, int threads) {
     if (fmt < 0 || fmt >= NUM_FORMATS || n % FORMATS[fmt].values || out / ROWS >= UINT32_MAX) return -1;
+    if (fmt >= TILED) return kvlab_t16_matmul(fmt - TILED + Q8_0, w, x, y, m, n, ldy, out, threads);
     if (fmt >= INTERLEAVED) return kvlab_i8_matmul(fmt - INTERLEAVED + Q8_0, w, x, y, m, n, ldy, out, threads);
     PoolTask task = block_items(fmt);
     float* xt = NULL;
@@ -1658,22 +1663,28 @@ int kvlab_quant_matmul(int fmt, const uint8_t* w, int64_t ldw, const float* x, f
 // dispatch where a call per part makes one each (a decode step's small matrices spend as long in a
 // dispatch as in their products). Part j (format fmt[j], out[j] rows at w[j], ldw[j] bytes a row)
 // writes its columns of y after the parts before it; the numbers are kvlab_quant_matmul's, part by
-// part. Parts in different families (interleaved and not) or more than PARTS_M rows go part by part, except
+// part. Parts in different families (interleaved and not), tiled ones or more than PARTS_M rows go part by part, except
 // interleaved parts in bfloat16 on the tiles: one job and one rounding of x for all (q, k and v of a
 // 512-token pass: three of each before).
 int kvlab_quant_matmul_parts(int num, const int* fmt, const uint8_t* const* w, const int64_t* ldw, const int64_t* out,
                              const float* x, float* y, int64_t m, int64_t n, int64_t ldy, int threads) {
-    int interleaved = 0;
+    int interleaved = 0, tiled = 0;
     for (int j = 0; j < num; j++) {
         if (fmt[j] < 0 || fmt[j] >= NUM_FORMATS || n % FORMATS[fmt[j]].values || out[j] / ROWS >= UINT32_MAX) return -1;
-        interleaved += fmt[j] >= INTERLEAVED;
+        interleaved += fmt[j] >= INTERLEAVED && fmt[j] < TILED;
+        tiled += fmt[j] >= TILED;
     }
     if (num > 1 && num <= KVLAB_MAX_JOBS && (m <= PARTS_M || kvlab_i8_bf16_pass(m, n)) && interleaved == num) {
         int source[KVLAB_MAX_JOBS];
         for (int j = 0; j < num; j++) source[j] = fmt[j] - INTERLEAVED + Q8_0;
         return kvlab_i8_matmul_parts(num, source, w, out, x, y, m, n, ldy, threads);
     }
-    if (num == 1 || num > KVLAB_MAX_JOBS || m > PARTS_M || interleaved) {
+    if (num > 1 && num <= KVLAB_MAX_JOBS && tiled == num) {
+        int source[KVLAB_MAX_JOBS];
+        for (int j = 0; j < num; j++) source[j] = fmt[j] - TILED + Q8_0;
+        return kvlab_t16_matmul_parts(num, source, w, out, x, y, m, n, ldy, threads);
+    }
+    if (num == 1 || num > KVLAB_MAX_JOBS || m > PARTS_M || interleaved || tiled) {
         int64_t column = 0;
         for (int j = 0; j < num; j++) {
             const int status = kvlab_quant_matmul(fmt[j], w[j], ldw[j], x, y + column, m, n, ldy, out[j], threads);
@@ -1761,7 +1772,7 @@ int kvlab_quant_gated(const int* fmt, const uint8_t* const* w, int64_t I, const 
                       int64_t n, int act, int threads) {
     int source[2];
     for (int j = 0; j < 2; j++) {
-        if (fmt[j] < INTERLEAVED || fmt[j] >= NUM_FORMATS) return -1;
+        if (fmt[j] < INTERLEAVED || fmt[j] >= TILED) return -1;  // (the tiled forms: multiplied, then activated)
         source[j] = fmt[j] - INTERLEAVED + Q8_0;
     }
     return kvlab_i8_gated(source, w, I, x, y, m, n, I, act, threads);

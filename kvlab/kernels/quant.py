@@ -3,8 +3,10 @@
     applies(x, formats)              whether the C kernels take this call (a CPU pass, see ThreadPolicy)
     packed_linear(x, parts, out)     y [rows, out] float32 = x [rows, in] times every part's blocks
     dequantize(part)                 float32 [rows, in]: for products off the kernels (then BLAS)
-    interleave(part)                 the part's rows repacked 16 at a time for 8-bit activations
-                                     (format "<fmt>x16", quant_i8.c; opt-in, see kvlab/quant/activations.py)
+    interleave(part, form)           the part's rows repacked 16 at a time: for 8-bit activations (form
+                                     "x16": format "<fmt>x16") or for exact products on AMX bfloat16 tiles
+                                     ("t16"), quant_i8.c; opt-in, see kvlab/quant/activations.py
+    exact_tiles()                    whether this machine and build have those tiles
 
 The kernels (`quant.c`) are compiled into the GEMV's library (`kernels/gemv.py` builds both at first
 use) and share its thread pool. `packed_linear` reads each block once for all rows and writes every
@@ -47,16 +49,28 @@ def _format_ids() -> dict[str, int]:
         fmt = FORMATS.get(name.decode())
         if fmt is not None and (fmt.block_values, fmt.block_bytes) == (values.value, size.value):
             ids[fmt.name] = i
-        elif is_interleaved(name.decode()) and name.decode()[: -len(INTERLEAVED)] in ids:
+        elif is_interleaved(name.decode()) and source_format(name.decode()) in ids:
             ids[name.decode()] = i  # its layout is the C side's alone: sized by kvlab_quant_interleave
     return ids
 
 
-INTERLEAVED = "x16"  # the suffix of a format's interleaved form: "Q4_1x16"
+INTERLEAVED = "x16"  # the suffix of a format's interleaved form for int8 activations: "Q4_1x16"
+TILED = "t16"  # the same bytes multiplied exactly on AMX bfloat16 tiles: "Q4_1t16"
 
 
 def is_interleaved(fmt: str) -> bool:
-    return fmt.endswith(INTERLEAVED)
+    return fmt.endswith((INTERLEAVED, TILED))
+
+
+def source_format(fmt: str) -> str:
+    """The GGUF format an interleaved one was repacked from: "Q4_1x16" → "Q4_1"."""
+    return fmt[: -len(INTERLEAVED)] if is_interleaved(fmt) else fmt
+
+
+def exact_tiles() -> bool:
+    """Whether this build and machine multiply the "t16" forms: AMX tiles for bfloat16, granted by the OS."""
+    lib = _library()
+    return bool(lib) and bool(lib["t16_available"]())
 
 
 def available() -> bool:
@@ -219,12 +233,12 @@ def dequantize(part, threads: int | None = None) -> torch.Tensor:
     return y
 
 
-def interleave(part) -> tuple[str, torch.Tensor] | None:
-    """The part (a PackedTensor of a GGUF block format) repacked for 8-bit activations: its format
-    "<fmt>x16" and bytes, uint8 [items, item bytes], items of 16 rows (quant_i8.c). None where its
-    format has no interleaved form or the kernels are not built."""
+def interleave(part, form: str = INTERLEAVED) -> tuple[str, torch.Tensor] | None:
+    """The part (a PackedTensor of a GGUF block format) repacked 16 rows at a time: its format "<fmt>x16"
+    (8-bit activations) or "<fmt>t16" (exact, on bfloat16 tiles: the same bytes) and bytes, uint8 [items,
+    item bytes] (quant_i8.c). None where its format has no interleaved form or the kernels are not built."""
     ids, lib = _format_ids(), _library()
-    target = part.fmt + INTERLEAVED
+    target = part.fmt + form
     if part.fmt not in ids or target not in ids:
         return None
     rows, in_features = part.shape
@@ -255,7 +269,7 @@ def _checked_blocks(part, in_features: int) -> torch.Tensor:
     if cols != in_features:
         raise ValueError(f"a {part.fmt} part of {cols} inputs cannot take x of {in_features}")
     if is_interleaved(part.fmt):  # items of 16 rows, sized by the C side
-        size = _library()["interleave"](_format_ids()[part.fmt[: -len(INTERLEAVED)]], 0, 0, rows, cols, None)
+        size = _library()["interleave"](_format_ids()[source_format(part.fmt)], 0, 0, rows, cols, None)
         if data.dtype != torch.uint8 or not data.is_contiguous() or data.numel() != size:
             raise ValueError(f"a {part.fmt} part {list(part.shape)} needs {size} contiguous bytes, got "
                              f"{data.dtype} {list(data.shape)}")  # fmt: skip

@@ -37,6 +37,9 @@
 // Where the CPU has AMX tiles for bfloat16, passes of BF16_ROWS rows or more (prompts) take another road
 // (bf16_runs_of_pairs): the weights decoded and rounded to bfloat16, the activations too, vLLM's numbers.
 // There a row's bits do not depend on its batch either, but they are not the int8 rows' bits.
+//
+// The same layout (formats "<fmt>t16", `--activation-quant bf16x3`) is multiplied exactly on those tiles
+// (kvlab_t16_matmul): the activations split into three bfloat16 parts, no rounding at all.
 
 #include <math.h>
 #include <stdint.h>
@@ -1016,6 +1019,347 @@ static uint16_t* bf16_activations(const float* x, int64_t m, int64_t n, int thre
     kvlab_pool_run(bf16_rows, &r, (uint32_t)rows, 16, threads);
     return xb;
 }
+
+// ---- exact products on bfloat16 tiles -------------------------------------------------------------
+// Every code of these layouts is an integer of at most 8 bits: exact in bfloat16. A float32 activation is
+// exactly hi + mid + lo, three bfloat16 (its 24 bits of significand, 8 at a time). So C += hi·codes,
+// C += mid·codes, C += lo·codes through the tiles (one C tile, three TDPBF16PS) sums exact products in
+// float32: a group's Σ code·x within float32's rounding of its sums, then y += scale·C (+ min·Σx). A C row
+// is one activation row's, in the same order at any number of rows: a row's bits do not depend on its batch.
+#define XT_M 16  // activation rows a pass
+
+typedef struct {
+    Layout l;
+    const uint8_t* w;
+    const uint16_t* xa;  // [passes][groups][3 parts][XT_M rows][S] bfloat16, zeros past m
+    const float* xs;     // [passes][groups][XT_M] each row's Σx over the group
+    float* y;
+    int64_t m, groups, ldy, out;
+    int* failed;  // set when a thread found no memory for its panel
+} ExactProduct;
+
+static inline uint32_t f32_bits(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    return u;
+}
+
+// Row i's three parts and sums into the pass layout
+typedef struct {
+    const float* x;
+    uint16_t* xa;
+    float* xs;
+    int64_t m, n, S, groups;
+} ExactRows;
+
+static void exact_split_rows(void* ctx, uint32_t begin, uint32_t end) {
+    const ExactRows* e = ctx;
+    const __m512i top = _mm512_set1_epi32((int)0xFFFF0000);
+    for (int64_t i = begin; i < end; i++) {
+        const int64_t pass = i / XT_M, r = i % XT_M;
+        for (int64_t b = 0; b < e->groups; b++) {
+            uint16_t* to = e->xa + ((pass * e->groups + b) * 3 * XT_M + r) * e->S;
+            __m512 sum = _mm512_setzero_ps();
+            for (int64_t k = 0; k < e->S; k += 16) {
+                const __mmask16 keep = e->S - k >= 16 ? 0xFFFF : (__mmask16)((1u << (e->S - k)) - 1);
+                const __m512 v = i < e->m ? _mm512_maskz_loadu_ps(keep, e->x + i * e->n + b * e->S + k) : _mm512_setzero_ps();
+                sum = _mm512_add_ps(sum, v);
+                const __m512 hi = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(v), top));
+                const __m512 r1 = _mm512_sub_ps(v, hi);
+                const __m512 mid = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(r1), top));
+                const __m512 lo = _mm512_sub_ps(r1, mid);  // at most 8 bits of significand left: exact
+                const __m512 parts[3] = {hi, mid, lo};
+                for (int t = 0; t < 3; t++)
+                    _mm256_mask_storeu_epi16(to + t * XT_M * e->S + k, keep,
+                                             _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(parts[t]), 16)));
+            }
+            e->xs[(pass * e->groups + b) * XT_M + r] = _mm512_reduce_add_ps(sum);
+        }
+    }
+}
+
+// bfloat16 of v (an integer of at most 8 bits) for every 5-bit index: unsigned codes, or signed (two's
+// complement in 5 bits)
+static inline __m512i code_table5(const int SIGNED) {
+    uint16_t t[32];
+    for (int i = 0; i < 32; i++) t[i] = (uint16_t)(f32_bits((float)(SIGNED && i >= 16 ? i - 32 : i)) >> 16);
+    return _mm512_loadu_si512(t);
+}
+
+// A group's codes as the tiles' B operand: row j (64 bytes) holds codes 2j, 2j + 1 of each of the 16
+// outputs as bfloat16 pairs
+static inline __attribute__((always_inline)) void exact_codes(const uint8_t* g, const int NIB, const int NW,
+                                                               const int MIN, uint32_t* out) {
+    const __m512i even = _mm512_set4_epi32(0x0D0D0C0C, 0x09090808, 0x05050404, 0x01010000);
+    const __m512i odd = _mm512_add_epi8(even, _mm512_set1_epi8(2));
+    __m512i w[8];
+    if (NIB) {
+        nibble_codes(g, NIB, CODE_OFF(NIB, 8, MIN), w);
+        const __m512i table = code_table5(!MIN);
+        for (int k = 0; k < 8; k++) {
+            // bytes 4r, 4r + 1 of lane r doubled into words: the table reads an index's low 5 bits
+            const __m512i e = _mm512_shuffle_epi8(w[k], even), o = _mm512_shuffle_epi8(w[k], odd);
+            _mm512_store_si512(out + 32 * k, _mm512_permutexvar_epi16(e, table));
+            _mm512_store_si512(out + 32 * k + 16, _mm512_permutexvar_epi16(o, table));
+        }
+    } else if (NW == 4) {  // Q6_K: codes less 32, signed bytes, 6 bits
+        uint16_t t[64];
+        for (int i = 0; i < 64; i++) t[i] = (uint16_t)(f32_bits((float)(i >= 32 ? i - 64 : i)) >> 16);
+        const __m512i t0 = _mm512_loadu_si512(t), t1 = _mm512_loadu_si512(t + 32);
+        for (int k = 0; k < 4; k++) {
+            const __m512i v = _mm512_loadu_si512(g + 64 * k);
+            const __m512i e = _mm512_shuffle_epi8(v, even), o = _mm512_shuffle_epi8(v, odd);
+            _mm512_store_si512(out + 32 * k, _mm512_permutex2var_epi16(t0, e, t1));
+            _mm512_store_si512(out + 32 * k + 16, _mm512_permutex2var_epi16(t0, o, t1));
+        }
+    } else {  // Q8_0: codes + 128, unsigned bytes: as floats, whose bfloat16 is their top half
+        const __m512i top = _mm512_set1_epi32((int)0xFFFF0000);
+        for (int k = 0; k < 8; k++) {
+            const __m512i v = _mm512_xor_si512(_mm512_loadu_si512(g + 64 * k), _mm512_set1_epi8((char)0x80));
+            __m512i f[4];
+            for (int t = 0; t < 4; t++)  // code 4k + t of each lane, as float32 bits
+                f[t] = _mm512_castps_si512(_mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(v, 24 - 8 * t), 24)));
+            _mm512_store_si512(out + 32 * k, _mm512_ternarylogic_epi32(f[1], top, _mm512_srli_epi32(f[0], 16), 0xE2));
+            _mm512_store_si512(out + 32 * k + 16, _mm512_ternarylogic_epi32(f[3], top, _mm512_srli_epi32(f[2], 16), 0xE2));
+        }
+    }
+}
+
+static void exact_configure(int S, int rows) {
+    TileConfig c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int t = 0; t < 8; t++) c.rows[t] = (uint8_t)rows, c.colsb[t] = 64;
+    for (int t = 2; t < 5; t++) c.colsb[t] = (uint16_t)(2 * S);  // A: a group of activations a row
+    c.rows[5] = c.rows[6] = (uint8_t)(S / 2);                   // B: a group's codes as bfloat16 pairs
+    __asm__ volatile("" : : "r"(&c) : "memory");
+    _tile_loadconfig(&c);
+}
+
+// Group b's three products into C tile T (B in tile U); A parts at x (stride 2S bytes)
+#define EXACT_GROUP(T, U, x, codes, S)                   \
+    do {                                                 \
+        _tile_zero(T);                                   \
+        _tile_loadd(U, (const void*)(codes), 64);        \
+        _tile_loadd(2, (const void*)(x), 2 * (S));       \
+        _tile_dpbf16ps(T, 2, U);                         \
+        _tile_loadd(3, (const void*)((x) + XT_M * (S)), 2 * (S)); \
+        _tile_dpbf16ps(T, 3, U);                         \
+        _tile_loadd(4, (const void*)((x) + 2 * XT_M * (S)), 2 * (S)); \
+        _tile_dpbf16ps(T, 4, U);                         \
+    } while (0)
+
+// One item's products for a pass of up to XT_M rows: group b's products (its codes made the turn before),
+// then group b + 1's codes while the tiles work, then group b − 1's sums out of the tiles and scaled. The
+// codes go into the item's panel (8·S words a group) on its first pass, and later passes (a prompt's) read
+// them back.
+static inline __attribute__((always_inline)) void exact_rows(const ExactProduct* p, const uint8_t* item, int64_t pass,
+                                                             int rows, uint32_t* panel, const int NIB, const int NW,
+                                                             const int MIN, const int KQ, __m512* acc) {
+    const int G = GROUPS_PER_SUPER(NIB, NW, KQ), HB = HEAD_BYTES(KQ, G, MIN), CB = CODE_BYTES(NIB, NW);
+    const int S = NIB ? 32 : NW * 4;
+    float sums[2][XT_M * LANES] __attribute__((aligned(64)));
+    __m512 a[XT_M];
+    for (int i = 0; i < XT_M; i++) a[i] = _mm512_setzero_ps();
+    const uint16_t* xa = p->xa + pass * p->groups * 3 * XT_M * S;
+    const float* xs = p->xs + pass * p->groups * XT_M;
+#define GROUP_CODES(b) (item + (b) / G * (HB + G * CB) + HB + ((b) % G) * CB)
+    if (pass == 0) exact_codes(GROUP_CODES(0), NIB, NW, MIN, panel);
+    for (int64_t b = 0; b <= p->groups; b++) {
+        if (b < p->groups) {
+            if (b & 1) EXACT_GROUP(1, 6, xa + b * 3 * XT_M * S, panel + b * 8 * S, S);
+            else EXACT_GROUP(0, 5, xa + b * 3 * XT_M * S, panel + b * 8 * S, S);
+        }
+        if (b + 1 < p->groups && pass == 0) {
+            const uint8_t* g = GROUP_CODES(b + 1);
+            for (int line = 0; line < CB; line += 64) _mm_prefetch((const char*)g + AMX_AHEAD + line, _MM_HINT_T1);
+            exact_codes(g, NIB, NW, MIN, panel + (b + 1) * 8 * S);
+        }
+        if (b == 0) continue;
+        const int64_t c = b - 1;  // the group before: its sums out of the tiles, then scaled
+        if (c & 1) _tile_stored(1, sums[1], 64);
+        else _tile_stored(0, sums[0], 64);
+        const uint8_t* head = item + c / G * (HB + G * CB);
+        __m512 min;
+        const __m512 scale = group_scales(head, (int)(c % G), G, MIN, KQ, &min);
+        const float* s = sums[c & 1];
+#pragma GCC unroll 16
+        for (int i = 0; i < XT_M; i++) {
+            if (i >= rows) break;
+            a[i] = _mm512_fmadd_ps(_mm512_load_ps(s + LANES * i), scale, a[i]);
+            if (MIN) a[i] = _mm512_fmadd_ps(min, _mm512_set1_ps(xs[c * XT_M + i]), a[i]);
+        }
+    }
+#undef GROUP_CODES
+    for (int i = 0; i < XT_M; i++) acc[i] = a[i];
+}
+
+static void exact_item(const ExactProduct* p, const uint8_t* item, int64_t pass, int rows, uint32_t* panel, __m512* acc) {
+    const Layout* l = &p->l;
+    if (l->nibble == 2 && l->kq) exact_rows(p, item, pass, rows, panel, 2, 8, 1, 1, acc);
+    else if (l->nibble == 2) exact_rows(p, item, pass, rows, panel, 2, 8, 0, 0, acc);
+    else if (l->nibble && l->kq) exact_rows(p, item, pass, rows, panel, 1, 8, 1, 1, acc);
+    else if (l->nibble && l->has_min) exact_rows(p, item, pass, rows, panel, 1, 8, 1, 0, acc);
+    else if (l->nibble) exact_rows(p, item, pass, rows, panel, 1, 8, 0, 0, acc);
+    else if (l->S == 16) exact_rows(p, item, pass, rows, panel, 0, 4, 0, 1, acc);
+    else exact_rows(p, item, pass, rows, panel, 0, 8, 0, 0, acc);
+}
+
+
+// Up to XT_PAIR rows: two items at a time, their chains alternating on the tiles and each group's three
+// parts of the activations loaded once for both (one item at a time, a decode step's one row left the tiles
+// waiting on one chain: SmolLM2's Q4_1 products at one row, one thread, 41 -> 31 ns per 16 × 32 weights)
+#define XT_PAIR 8
+// How far on the pairs ask for the matrix, into L2 (SmolLM2's 30 layers at one row, 2 threads: 4 KB on
+// 7.87 ms, 32 KB 6.38, against the exact blocks' 6.91; later, with its LM head, 8, 32 and 128 KB alike)
+#define XT_AHEAD (32 << 10)
+static inline __attribute__((always_inline)) void exact_rows2(const ExactProduct* p, const uint8_t* item0,
+                                                              const uint8_t* item1, int rows, const int NIB,
+                                                              const int NW, const int MIN, const int KQ,
+                                                              __m512* acc0, __m512* acc1) {
+    const int G = GROUPS_PER_SUPER(NIB, NW, KQ), HB = HEAD_BYTES(KQ, G, MIN), CB = CODE_BYTES(NIB, NW);
+    const int S = NIB ? 32 : NW * 4;
+    uint32_t codes[2][2][16 * LANES] __attribute__((aligned(64)));  // [turn][item]
+    float sums[2][XT_M * LANES] __attribute__((aligned(64)));
+    __m512 a[2][XT_PAIR];
+    for (int i = 0; i < XT_PAIR; i++) a[0][i] = a[1][i] = _mm512_setzero_ps();
+    const uint8_t* items[2] = {item0, item1};
+#define PAIR_CODES(j, b) (items[j] + (b) / G * (HB + G * CB) + HB + ((b) % G) * CB)
+    for (int j = 0; j < 2; j++) exact_codes(PAIR_CODES(j, 0), NIB, NW, MIN, codes[0][j]);
+    for (int64_t b = 0; b < p->groups; b++) {  // group b's products, b + 1's codes, b's sums scaled
+        const uint16_t* x = p->xa + b * 3 * XT_M * S;
+        const int u = b & 1;
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_loadd(5, codes[u][0], 64);
+        _tile_loadd(6, codes[u][1], 64);
+        _tile_loadd(2, x, 2 * S);
+        _tile_dpbf16ps(0, 2, 5);
+        _tile_dpbf16ps(1, 2, 6);
+        _tile_loadd(3, x + XT_M * S, 2 * S);
+        _tile_dpbf16ps(0, 3, 5);
+        _tile_dpbf16ps(1, 3, 6);
+        _tile_loadd(4, x + 2 * XT_M * S, 2 * S);
+        _tile_dpbf16ps(0, 4, 5);
+        _tile_dpbf16ps(1, 4, 6);
+        if (b + 1 < p->groups)
+            for (int j = 0; j < 2; j++) {
+                const uint8_t* g = PAIR_CODES(j, b + 1);
+                for (int line = 0; line < CB; line += 64) _mm_prefetch((const char*)g + XT_AHEAD + line, _MM_HINT_T1);
+                exact_codes(g, NIB, NW, MIN, codes[u ^ 1][j]);
+            }
+        _tile_stored(0, sums[0], 64);
+        _tile_stored(1, sums[1], 64);
+        for (int j = 0; j < 2; j++) {
+            const uint8_t* head = items[j] + b / G * (HB + G * CB);
+            __m512 min;
+            const __m512 scale = group_scales(head, (int)(b % G), G, MIN, KQ, &min);
+#pragma GCC unroll 8
+            for (int i = 0; i < XT_PAIR; i++) {
+                if (i >= rows) break;
+                a[j][i] = _mm512_fmadd_ps(_mm512_load_ps(sums[j] + LANES * i), scale, a[j][i]);
+                if (MIN) a[j][i] = _mm512_fmadd_ps(min, _mm512_set1_ps(p->xs[b * XT_M + i]), a[j][i]);
+            }
+        }
+    }
+#undef PAIR_CODES
+    for (int i = 0; i < XT_PAIR; i++) acc0[i] = a[0][i], acc1[i] = a[1][i];
+}
+
+static void exact_item2(const ExactProduct* p, const uint8_t* item0, const uint8_t* item1, int rows, __m512* acc0,
+                        __m512* acc1) {
+    const Layout* l = &p->l;
+    if (l->nibble == 2 && l->kq) exact_rows2(p, item0, item1, rows, 2, 8, 1, 1, acc0, acc1);
+    else if (l->nibble == 2) exact_rows2(p, item0, item1, rows, 2, 8, 0, 0, acc0, acc1);
+    else if (l->nibble && l->kq) exact_rows2(p, item0, item1, rows, 1, 8, 1, 1, acc0, acc1);
+    else if (l->nibble && l->has_min) exact_rows2(p, item0, item1, rows, 1, 8, 1, 0, acc0, acc1);
+    else if (l->nibble) exact_rows2(p, item0, item1, rows, 1, 8, 0, 0, acc0, acc1);
+    else if (l->S == 16) exact_rows2(p, item0, item1, rows, 0, 4, 0, 1, acc0, acc1);
+    else exact_rows2(p, item0, item1, rows, 0, 8, 0, 0, acc0, acc1);
+}
+
+
+static void exact_items(void* ctx, uint32_t begin, uint32_t end) {
+    const ExactProduct* p = ctx;
+    const int64_t ib = item_bytes(&p->l, p->groups), passes = (p->m + XT_M - 1) / XT_M;
+    const int rows = p->m < XT_M ? (int)p->m : XT_M;
+    exact_configure(p->l.S, rows);
+    int64_t it = begin;
+    for (; p->m <= XT_PAIR && it + 1 < end; it += 2) {  // two whole items
+        __m512 acc[2][XT_PAIR];
+        exact_item2(p, p->w + it * ib, p->w + (it + 1) * ib, rows, acc[0], acc[1]);
+        for (int j = 0; j < 2; j++) {
+            const int64_t o0 = (it + j) * LANES;
+            const __mmask16 keep = p->out - o0 >= LANES ? 0xFFFF : (__mmask16)((1u << (p->out - o0)) - 1);
+            for (int64_t i = 0; i < p->m; i++) _mm512_mask_storeu_ps(p->y + i * p->ldy + o0, keep, acc[j][i]);
+        }
+    }
+    uint32_t* panel = it < end ? aligned_alloc(64, p->groups * 16 * 64) : NULL;  // an item's codes, 1 KB a group
+    if (it < end && !panel) {
+        __atomic_store_n(p->failed, 1, __ATOMIC_RELAXED);
+        it = end;
+    }
+    for (; it < end; it++) {
+        const int64_t o0 = it * LANES;
+        const __mmask16 keep = p->out - o0 >= LANES ? 0xFFFF : (__mmask16)((1u << (p->out - o0)) - 1);
+        for (int64_t pass = 0; pass < passes; pass++) {
+            __m512 acc[XT_M];
+            exact_item(p, p->w + it * ib, pass, rows, panel, acc);
+            for (int64_t i = pass * XT_M; i < p->m && i < (pass + 1) * XT_M; i++)
+                _mm512_mask_storeu_ps(p->y + i * p->ldy + o0, keep, acc[i - pass * XT_M]);
+        }
+    }
+    free(panel);
+    _tile_release();
+}
+
+static uint32_t claim_size(int64_t m, uint32_t items, int threads);
+
+// x's parts for the sub-blocks of layout l (xa, xs: NULL where no memory was left), split by every thread
+// for a prompt
+static void exact_split(const Layout* l, const float* x, int64_t m, int64_t n, int threads, uint16_t** xa, float** xs) {
+    const int64_t groups = n / l->S, passes = (m + XT_M - 1) / XT_M;
+    *xa = aligned_alloc(64, passes * groups * 3 * XT_M * l->S * 2);
+    *xs = aligned_alloc(64, passes * groups * XT_M * sizeof(float));
+    if (!*xa || !*xs) {
+        free(*xa), free(*xs);
+        *xa = NULL, *xs = NULL;
+        return;
+    }
+    ExactRows e = {x, *xa, *xs, m, n, l->S, groups};
+    // fewer than XT_M rows: the tiles are configured for m rows and read no others; else a last pass's
+    // rows past m are zeros
+    const uint32_t rows = (uint32_t)(m < XT_M ? m : passes * XT_M);
+    if (m * n >= 32768) kvlab_pool_run(exact_split_rows, &e, rows, 4, threads);
+    else exact_split_rows(&e, 0, rows);
+}
+
+// kvlab_t16_matmul_parts' work where the tiles are there: x split once for the parts of each sub-block
+// size, then every part's items as one pool job
+static int exact_parts(int num, const Layout* l, const uint8_t* const* w, const int64_t* out, const float* x, float* y,
+                       int64_t m, int64_t n, int64_t ldy, int threads) {
+    ExactProduct p[KVLAB_MAX_JOBS];
+    uint16_t* xa[2] = {NULL, NULL};  // sub-blocks of 32, of 16
+    float* xs[2] = {NULL, NULL};
+    PoolJobs jobs = {.num = num};
+    int status = 0, failed = 0;
+    int64_t column = 0;
+    for (int j = 0; j < num; j++) {
+        const int s = l[j].S == 16;
+        if (!xa[s]) exact_split(&l[j], x, m, n, threads, &xa[s], &xs[s]);
+        if (!xa[s]) {
+            status = -2;
+            break;
+        }
+        p[j] = (ExactProduct){l[j], w[j], xa[s], xs[s], y + column, m, n / l[j].S, ldy, out[j], &failed};
+        jobs.task[j] = exact_items, jobs.ctx[j] = &p[j];
+        jobs.first[j + 1] = jobs.first[j] + (uint32_t)((out[j] + LANES - 1) / LANES);
+        column += out[j];
+    }
+    if (!status) kvlab_pool_run_jobs(&jobs, claim_size(m < XT_M ? XT_M : m, jobs.first[num], threads), threads);
+    for (int s = 0; s < 2; s++) free(xa[s]), free(xs[s]);
+    return status ? status : failed ? -2 : 0;
+}
 #endif
 #endif
 
@@ -1425,6 +1769,39 @@ int kvlab_i8_matmul(int fmt, const uint8_t* w, const float* x, float* y, int64_t
     }
     free(xq);
     return 0;
+}
+
+// y[i, o] (row stride ldy), i < m, o < out: x [m, n] float32 times the interleaved matrix w, exactly (the
+// bfloat16 tiles' road above: within float32's rounding of the reference, a row's bits its own). Returns
+// 0; −1 where this build or machine has no bfloat16 tiles, for a format without an interleaved form or n
+// not whole sub-blocks; −2 when no memory was left for the activations' parts.
+int kvlab_t16_matmul(int fmt, const uint8_t* w, const float* x, float* y, int64_t m, int64_t n, int64_t ldy,
+                     int64_t out, int threads) {
+    return kvlab_t16_matmul_parts(1, &fmt, &w, &out, x, y, m, n, ldy, threads);
+}
+
+// The parts of a fused matrix (q, k and v; gate and up) over the same x, exactly on the tiles: one
+// split of x (per sub-block size) and one pool job for them all; part j (format fmt[j], out[j] rows at
+// w[j]) writes the columns after the parts before it. Returns as kvlab_t16_matmul.
+int kvlab_t16_matmul_parts(int num, const int* fmt, const uint8_t* const* w, const int64_t* out, const float* x,
+                           float* y, int64_t m, int64_t n, int64_t ldy, int threads) {
+    Layout l[KVLAB_MAX_JOBS];
+    if (num < 1 || num > KVLAB_MAX_JOBS) return -1;
+    for (int j = 0; j < num; j++)
+        if (layout(fmt[j], &l[j]) || n % l[j].S || (out[j] + LANES - 1) / LANES >= UINT32_MAX) return -1;
+#if defined(BF16)
+    if (amx_available()) return exact_parts(num, l, w, out, x, y, m, n, ldy, threads);
+#endif
+    (void)w, (void)x, (void)y, (void)m, (void)ldy, (void)threads;
+    return -1;
+}
+
+int kvlab_t16_available(void) {
+#if defined(BF16)
+    return amx_available();
+#else
+    return 0;
+#endif
 }
 
 // The parts of a fused matrix (q, k and v; gate and up) over the same x as one pool job: part j

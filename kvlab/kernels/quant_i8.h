@@ -12,6 +12,13 @@ int kvlab_i8_matmul(int fmt, const uint8_t* w, const float* x, float* y, int64_t
                     int64_t out, int threads);
 int kvlab_i8_matmul_parts(int num, const int* fmt, const uint8_t* const* w, const int64_t* out, const float* x,
                           float* y, int64_t m, int64_t n, int64_t ldy, int threads);
+// Exact products of interleaved matrices on AMX bfloat16 tiles (formats "<fmt>t16"); −1 where there are none
+int kvlab_t16_matmul(int fmt, const uint8_t* w, const float* x, float* y, int64_t m, int64_t n, int64_t ldy,
+                     int64_t out, int threads);
+int kvlab_t16_matmul_parts(int num, const int* fmt, const uint8_t* const* w, const int64_t* out, const float* x,
+                           float* y, int64_t m, int64_t n, int64_t ldy, int threads);
+// Whether this build and machine have them
+int kvlab_t16_available(void);
 // The rows from which a pass multiplies in bfloat16 on AMX tiles instead (0: never, on this machine)
 int kvlab_i8_bf16_rows(void);
 // Whether a pass of m rows over n inputs goes in bfloat16 on the tiles (kvlab_i8_matmul_parts: one job for all parts)

@@ -48,9 +48,10 @@ def register(subparsers) -> None:
     p.add_argument("--dtype", default="float32", help=f"weights' dtype: {', '.join(DTYPE_NAMES)} (default float32)")
     p.add_argument("--threads", metavar="N",
                    help="CPU threads (default: one per core, fewer when other programs keep cores busy)")
-    p.add_argument("--activation-quant", choices=["int8"],
+    p.add_argument("--activation-quant", choices=["int8", "bf16x3"],
                    help="int8: the model's products over GGUF blocks with 8-bit activations, as `kvlab serve "
-                        "--activation-quant int8` runs them (not exact; default: exact float32 activations)")
+                        "--activation-quant int8` runs them (not exact); bf16x3: exact, on AMX bfloat16 tiles "
+                        "(default: exact float32 activations)")  # fmt: skip
     p.add_argument("--compare", metavar="LIB", help="`transformers`: repeat phases and cache with transformers")
     p.add_argument("--max-prompt", metavar="T",
                    help="longest prompt to prefill; longer sizes are skipped and listed in the report")
@@ -175,9 +176,9 @@ def run_experiments(args, names: list[str], settings: Settings) -> int:
                          f"{', '.join(loaded.config.count_by_label())} layers (kv-verify on another model shows "
                          "DeepSeek-V3's latent cache from its config)")  # fmt: skip
     if settings.activation_quant:  # every experiment on the lab's own model then measures that setting
-        from kvlab.quant.activations import with_int8_activations
+        from kvlab.quant.activations import with_activation_setting
 
-        loaded = with_int8_activations(loaded)
+        loaded = with_activation_setting(loaded, settings.activation_quant)
     machine, threads = set_threads(machine, settings, cpu_load.measure(before_load))  # others' load as it loaded
     out = Path(args.out or f"lab-{model_label(args.model)}")
     print(f"kvlab lab: measuring {args.model} with {threads}; results go to {out.resolve()}",

@@ -38,8 +38,9 @@ def register(subparsers) -> None:
     g.add_argument("--dequantize", action="store_true", help="the measured setting expands a GGUF file's blocks")
     g.add_argument("--quantization", choices=["q8_0", "q4_0"],
                    help="the measured setting quantizes a float checkpoint's weights at load")
-    g.add_argument("--activation-quant", choices=["int8"],
-                   help="the measured setting rounds activations to 8 bits in its products (run's --activation-quant)")
+    g.add_argument("--activation-quant", choices=["int8", "bf16x3"],
+                   help="the measured setting: activations rounded to 8 bits, or split into three bfloat16 parts "
+                        "on AMX tiles, in its products (run's --activation-quant)")  # fmt: skip
     g.add_argument("--device", default="cpu", help="torch device (default cpu)")
     g.add_argument("--threads", type=int, help="CPU threads (default: torch's count)")
     t = p.add_argument_group("text")
@@ -90,9 +91,9 @@ def run(args: argparse.Namespace) -> int:
         args.model, dtype=args.dtype, device=args.device, max_positions=args.window,
         dequantize=args.dequantize, quantization=args.quantization)  # fmt: skip
     if args.activation_quant:
-        from kvlab.quant.activations import with_int8_activations
+        from kvlab.quant.activations import with_activation_setting
 
-        loaded = with_int8_activations(loaded)
+        loaded = with_activation_setting(loaded, args.activation_quant)
     tokenizer = load_tokenizer(ref_loaded)
     if tokenizer is None:
         raise KvlabError(f"{args.model} has no tokenizer to read text with")
