@@ -15,20 +15,18 @@ import torch
 from kvlab.config import EngineConfig
 from kvlab.engine import LLMEngine
 from kvlab.errors import KvlabError
-from kvlab.kernels import ThreadPolicy, quant
+from kvlab.kernels import quant
 from kvlab.kv.cache import ContiguousKVCache
 from kvlab.model.loader import load_model
 from kvlab.quant.activations import setting_name, with_activation_setting
 from kvlab.quant.linear import PackedLinear, PackedTensor
 from kvlab.runner.driver import ModelDriver
-from kvlab.sampling import SamplingParams
 from quant_blocks import oracle, random_blocks
-from tiny import add_tiny_tokenizer, build_tiny, build_tiny_gguf
+from interleaved import assert_together_as_alone, mixed_gguf, prompts
 
 pytestmark = pytest.mark.skipif(not quant.available() or not quant.exact_tiles(),
                                 reason="no AMX tiles for bfloat16 here (or no C compiler)")  # fmt: skip
 FORMATS = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q4_K", "Q5_K", "Q6_K"]
-GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 
 
 def tiled(fmt: str, rows: int, n: int, seed: int) -> tuple[PackedTensor, torch.Tensor]:
@@ -78,31 +76,9 @@ def test_a_fused_matrix_in_one_dispatch_gives_each_parts_bits_alone(m):
     assert torch.equal(fused, torch.cat([quant.packed_linear(x, [p], p.shape[0]) for p in parts], dim=1))
 
 
-def mixed(name: str) -> str:
-    """A Q4_K_M-like mix: attention Q8_0, MLP Q4_1 / Q5_0, the rest Q4_0."""
-    return "Q8_0" if "attn" in name else "Q4_1" if "ffn_up" in name else "Q5_0" if "ffn_down" in name else "Q4_0"
-
-
 @pytest.fixture(scope="module", params=["llama", "qwen2"])
 def gguf_file(request, tmp_path_factory):
-    directory = build_tiny(request.param, tmp_path_factory.mktemp(request.param), head_dim=32)
-    add_tiny_tokenizer(directory)
-    return build_tiny_gguf(directory, directory / "m.gguf", mixed)
-
-
-def prompts(n: int) -> list[list[int]]:
-    g = torch.Generator().manual_seed(n)
-    return [torch.randint(3, 500, (int(length),), generator=g).tolist() for length in torch.randint(1, 40, (n,), generator=g)]
-
-
-def run_all(engine: LLMEngine, batch: list[list[int]]) -> list[list[int]]:
-    ids = [engine.add_request(p, GREEDY) for p in batch]
-    done = {}
-    while engine.has_unfinished_requests:
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out.output.token_ids
-    return [done[i] for i in ids]
+    return mixed_gguf(request.param, tmp_path_factory.mktemp(request.param))
 
 
 def test_every_packed_matrix_is_tiled_and_the_c_step_takes_them(gguf_file):
@@ -119,14 +95,7 @@ def test_requests_together_give_each_ones_tokens_alone_on_both_paths(gguf_file, 
     """16 sequences, and 48 (past max_kernel_rows: the C step still takes a model all of blocks). Each
     prompt is prefilled alone (pack_prompts=False): what is compared is the batched decode step."""
     loaded = with_activation_setting(load_model(gguf_file), "bf16x3")
-    batch = prompts(n)
-    config = EngineConfig(enable_prefix_caching=False, max_num_seqs=n, pack_prompts=False)
-    c_step = LLMEngine(loaded, None, config)
-    assert c_step.decode_path.backend is not None and c_step.decode_path.backend.any_rows
-    alone = [run_all(c_step, [p])[0] for p in batch]
-    assert run_all(c_step, batch) == alone
-    modules = LLMEngine(loaded, None, config, policy=ThreadPolicy(fused_decode=False))
-    assert run_all(modules, batch) == alone  # the module path calls the same kernel: the same tokens
+    assert_together_as_alone(loaded, n)
 
 
 def test_logits_are_the_exact_paths_to_float32_rounding(gguf_file):
