@@ -117,3 +117,25 @@ def test_the_setting_is_refused_in_one_line_without_tiles(gguf_file, monkeypatch
         with_activation_setting(load_model(gguf_file), "bf16x3")
     with pytest.raises(KvlabError, match="not one of"):
         with_activation_setting(load_model(gguf_file), "bf16")
+
+
+@pytest.mark.parametrize("experts_type", ["Q8_0", "Q4_0"])
+def test_experts_are_tiled_too_and_sixteen_together_give_each_ones_tokens(tmp_path, experts_type):
+    """A mixture of experts: every expert's blocks in their "t16" form, the C step's expert products (moe.c,
+    each on one thread inside the pool's work) reading them, the same tokens alone and among 16, and the
+    logits the exact path's to float32's rounding."""
+    from tiny_moe import build_tiny_moe, build_tiny_moe_gguf
+
+    from kvlab.model.experts import Experts
+    from tiny import add_tiny_tokenizer
+
+    directory = add_tiny_tokenizer(build_tiny_moe("qwen3_moe", tmp_path / "moe"))
+    path = build_tiny_moe_gguf(directory, tmp_path / "moe.gguf", experts_type=experts_type)
+    loaded = with_activation_setting(load_model(path), "bf16x3")
+    banks = [m for m in loaded.model.modules() if isinstance(m, Experts)]
+    assert banks and all(f == experts_type + "t16" for b in banks for fmts in b.formats.values() for f in fmts)
+    assert_together_as_alone(loaded, 16, any_rows=False)
+    exact = load_model(path)
+    ids = prompts(1)[0]
+    a, b = (ModelDriver(m.model).append(ids, ContiguousKVCache.for_model(m.config, 64)) for m in (exact, loaded))
+    assert (a - b).abs().max() <= 1e-4 * a.abs().max()
