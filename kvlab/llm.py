@@ -112,7 +112,8 @@ class LLM:
             self.loaded = shard_model(self.loaded, self.group)  # this rank's shard of every layer
         if activation_quant is not None:
             check_activation_quant(activation_quant)
-            self.loaded = with_activation_setting(self.loaded, activation_quant)  # after sharding: each rank repacks its own rows
+            # after sharding: each rank repacks its own rows
+            self.loaded = with_activation_setting(self.loaded, activation_quant)
         default = torch.get_num_threads()
         self.policy = ThreadPolicy(threads=threads or (self.cpu_load.threads_for(default) if self.cpu_load else default))
         self.config = self.loaded.config

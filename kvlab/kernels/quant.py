@@ -64,7 +64,10 @@ def is_interleaved(fmt: str) -> bool:
 
 def source_format(fmt: str) -> str:
     """The GGUF format an interleaved one was repacked from: "Q4_1x16" → "Q4_1"."""
-    return fmt[: -len(INTERLEAVED)] if is_interleaved(fmt) else fmt
+    for suffix in (INTERLEAVED, TILED):
+        if fmt.endswith(suffix):
+            return fmt[: -len(suffix)]
+    return fmt
 
 
 def exact_tiles() -> bool:

@@ -1125,6 +1125,8 @@ static inline __attribute__((always_inline)) void exact_codes(const uint8_t* g, 
     }
 }
 
+// The tiles for sub-blocks of S values and passes of `rows` rows: sums in 0 and 1 (two groups in flight, or two items),
+// the activations' hi, mid and lo parts in 2-4, two groups' codes (or two items') in 5 and 6
 static void exact_configure(int S, int rows) {
     TileConfig c;
     memset(&c, 0, sizeof c);
@@ -1137,16 +1139,16 @@ static void exact_configure(int S, int rows) {
 }
 
 // Group b's three products into C tile T (B in tile U); A parts at x (stride 2S bytes)
-#define EXACT_GROUP(T, U, x, codes, S)                   \
-    do {                                                 \
-        _tile_zero(T);                                   \
-        _tile_loadd(U, (const void*)(codes), 64);        \
-        _tile_loadd(2, (const void*)(x), 2 * (S));       \
-        _tile_dpbf16ps(T, 2, U);                         \
-        _tile_loadd(3, (const void*)((x) + XT_M * (S)), 2 * (S)); \
-        _tile_dpbf16ps(T, 3, U);                         \
-        _tile_loadd(4, (const void*)((x) + 2 * XT_M * (S)), 2 * (S)); \
-        _tile_dpbf16ps(T, 4, U);                         \
+#define EXACT_GROUP(T, U, x, codes, S)                                    \
+    do {                                                                  \
+        _tile_zero(T);                                                    \
+        _tile_loadd(U, (const void*)(codes), 64);                         \
+        _tile_loadd(2, (const void*)(x), 2 * (S));                        \
+        _tile_dpbf16ps(T, 2, U);                                          \
+        _tile_loadd(3, (const void*)((x) + XT_M * (S)), 2 * (S));         \
+        _tile_dpbf16ps(T, 3, U);                                          \
+        _tile_loadd(4, (const void*)((x) + 2 * XT_M * (S)), 2 * (S));     \
+        _tile_dpbf16ps(T, 4, U);                                          \
     } while (0)
 
 // One item's products for a pass of up to XT_M rows: group b's products (its codes made the turn before),
