@@ -1125,8 +1125,8 @@ static inline __attribute__((always_inline)) void exact_codes(const uint8_t* g, 
     }
 }
 
-// The tiles for sub-blocks of S values and passes of `rows` rows: sums in 0 and 1 (two groups in flight, or two items),
-// the activations' hi, mid and lo parts in 2-4, two groups' codes (or two items') in 5 and 6
+// The tiles for sub-blocks of S values and passes of `rows` rows: sums in 0 and 1 (two groups in flight,
+// or two items), the activations' hi, mid and lo parts in 2-4, two groups' codes (or two items') in 5 and 6
 static void exact_configure(int S, int rows) {
     TileConfig c;
     memset(&c, 0, sizeof c);
@@ -1279,7 +1279,6 @@ static void exact_item2(const ExactProduct* p, const uint8_t* item0, const uint8
     else if (l->S == 16) exact_rows2(p, item0, item1, rows, 0, 4, 0, 1, acc0, acc1);
     else exact_rows2(p, item0, item1, rows, 0, 8, 0, 0, acc0, acc1);
 }
-
 
 static void exact_items(void* ctx, uint32_t begin, uint32_t end) {
     const ExactProduct* p = ctx;
