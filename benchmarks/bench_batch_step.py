@@ -11,7 +11,9 @@ sizes alternate within every round; the figures are medians over rounds of each 
 The split, timed inside the same steps (the decode backend's phase clock): the matrix products (the
 layers', and the LM head's apart), the mixer (attention over the cache with RoPE and the new K/V's
 writes), the layers' other work (norms, residuals, the gated activation), and the rest of the step
-(the embedding, sampling, scheduling: the engine's Python).
+(the embedding, sampling, scheduling: the engine's Python). Each round also measures the arithmetic
+roof (kernels/probe.py: the float32 multiply-adds a second a loop of FMAs makes on the threads, and on
+one): B × a token's multiply-adds ÷ that rate is the least time the exact products of a step can take.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import torch  # noqa: E402
 
 from kvlab import LLM, SamplingParams  # noqa: E402
 from kvlab.backends.cpu import PHASES  # noqa: E402
+from kvlab.kernels.probe import mac_rate  # noqa: E402
 from kvlab.lab.common import cpu_model  # noqa: E402
 
 SETTINGS = {"exact": None, "int8": "int8", "bf16x3": "bf16x3"}
@@ -91,7 +94,9 @@ def main() -> int:
                        enable_prefix_caching=False, kv_cache_dtype=args.kv_cache_dtype) for s in args.settings}  # fmt: skip
         samples = {(s, b): [] for s in args.settings for b in args.batches}
         splits = {(s, b): [] for s in args.settings for b in args.batches}
+        roofs: list[tuple[float, float]] = []  # (G MAC/s on the threads, on one) each round
         for r in range(args.rounds):
+            roofs.append((mac_rate(args.threads) or 0.0, mac_rate(1) or 0.0))
             for b in args.batches:
                 for s in args.settings:
                     times, split = decode_steps(llms[s], b, args.steps, args.prompt_len, seed=r)
@@ -115,6 +120,18 @@ def main() -> int:
                       f"{row['tok_s']:7.1f} tok/s  products {row['products_ms']:6.2f} ms (LM head {row['head_ms']:5.2f})  "
                       f"attention {row['attention_ms']:5.2f}  layers' other {row['layer_other_ms']:4.2f}  "
                       f"rest {row['rest_ms']:5.2f} ms", flush=True)  # fmt: skip
+        roof, roof_one = (statistics.median(x[i] for x in roofs) for i in range(2))
+        results.setdefault("roof_g_mac_s", {})[model] = {"threads": roof, "one": roof_one}
+        if "exact" in args.settings and roof:
+            macs = sum(llms["exact"].loaded.model.matmul_macs_per_token())
+            base = rows[f"exact/{args.batches[0]}"]["step_ms"]
+            for b in args.batches:
+                floor = b * macs / roof / 1e6  # ms
+                row = rows[f"exact/{b}"]
+                row["products_floor_ms"] = floor
+                print(f"{model:>20}  exact B={b:<3} roof {roof:.0f} G MAC/s ({roof_one:.0f} on one thread): its products "
+                      f"take ≥ {floor:.2f} ms, ×{floor / base:.2f} the B=1 step; measured {row['products_ms']:.2f} ms "
+                      f"({floor / row['products_ms']:.0%} of the roof's rate)")  # fmt: skip
         if "exact" in args.settings and "int8" in args.settings:
             base = statistics.median(samples["exact", args.batches[0]])
             for b in args.batches:

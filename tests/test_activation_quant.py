@@ -20,7 +20,7 @@ from kvlab.kv.cache import ContiguousKVCache
 from kvlab.kv.formats import KVFormats
 from kvlab.model.loader import load_model
 from kvlab.quality.store import advice
-from kvlab.quant.activations import with_int8_activations
+from kvlab.quant.activations import activation_setting_of, with_int8_activations
 from kvlab.quant.linear import PackedLinear
 from kvlab.runner.driver import ModelDriver
 from interleaved import assert_together_as_alone, mixed_gguf, prompts, run_all
@@ -35,7 +35,10 @@ def gguf_file(request, tmp_path_factory):
 
 
 def test_every_packed_matrix_is_interleaved_and_the_c_step_takes_them(gguf_file):
-    loaded = with_int8_activations(load_model(gguf_file))
+    exact = load_model(gguf_file)
+    assert activation_setting_of(exact.model) is None
+    loaded = with_int8_activations(exact)
+    assert activation_setting_of(loaded.model) == "int8"
     layers = [m for m in loaded.model.modules() if isinstance(m, PackedLinear)]
     assert layers and all(f.endswith("x16") for m in layers for f in m.formats)
     assert "int8 activations" in loaded.weight_format
@@ -123,6 +126,7 @@ def test_experts_are_interleaved_too_and_sixteen_together_give_each_ones_tokens(
     loaded = with_int8_activations(load_model(path))
     banks = [m for m in loaded.model.modules() if isinstance(m, Experts)]
     assert banks and all(f == experts_type + "x16" for b in banks for fmts in b.formats.values() for f in fmts)
+    assert activation_setting_of(loaded.model) == "int8"
     c_step = LLMEngine(loaded, None, EngineConfig(enable_prefix_caching=False))
     assert c_step.decode_path.backend is not None, c_step.decode_path.reason
     batch = prompts(16)

@@ -18,7 +18,7 @@ from kvlab.errors import KvlabError
 from kvlab.kernels import quant
 from kvlab.kv.cache import ContiguousKVCache
 from kvlab.model.loader import load_model
-from kvlab.quant.activations import setting_name, with_activation_setting
+from kvlab.quant.activations import activation_setting_of, setting_name, with_activation_setting
 from kvlab.quant.linear import PackedLinear, PackedTensor
 from kvlab.runner.driver import ModelDriver
 from quant_blocks import oracle, random_blocks
@@ -83,6 +83,7 @@ def gguf_file(request, tmp_path_factory):
 
 def test_every_packed_matrix_is_tiled_and_the_c_step_takes_them(gguf_file):
     loaded = with_activation_setting(load_model(gguf_file), "bf16x3")
+    assert activation_setting_of(loaded.model) == "bf16x3"
     layers = [m for m in loaded.model.modules() if isinstance(m, PackedLinear)]
     assert layers and all(f.endswith("t16") for m in layers for f in m.formats)
     assert setting_name("bf16x3") in loaded.weight_format and "exact" in loaded.weight_format

@@ -12,8 +12,10 @@ from __future__ import annotations
 from dataclasses import asdict
 
 import pytest
+import torch
 
-from kvlab.lab import batching
+from kvlab.kernels import gemv
+from kvlab.lab import batching, decode_steps
 from kvlab.lab.common import Lab, Timing
 from kvlab.kv.paged import PagedKVCache
 from kvlab.lab.report import num, pct, ratio, verdict_text
@@ -35,7 +37,7 @@ def test_engine_decode_steps_are_b_one_token_rows_on_the_engine_path(lab):
     runs = 1 + lab.repeat  # the warm-up and the timed runs, each steps_per_run consecutive steps
     for p in steps:
         assert p["pure_decode"], p  # B decode rows of one token, no prompt chunk, in every step
-        assert p["steps_per_run"] == batching.QUICK_DECODE_STEPS
+        assert p["steps_per_run"] == decode_steps.QUICK_DECODE_STEPS
         assert p["timed_steps"] == runs * p["steps_per_run"]
         assert p["step"]["runs"] == lab.repeat and p["tok_s"] > 0
     assert steps[0]["relative_cost"] == 1.0
@@ -53,6 +55,10 @@ def test_engine_decode_steps_are_b_one_token_rows_on_the_engine_path(lab):
         assert p["read_bytes"] - weights >= p["sequences"] * batching.QUICK_DECODE_CONTEXT * per_token  # K/V
         assert p["read_gb_s"] == pytest.approx(p["read_bytes"] / median / 1e9)
         assert p["gmac_s"] == pytest.approx(p["sequences"] * macs / median / 1e9)
+    # the arithmetic roof: the FMA loop's rate on the engine's threads and on one; the exact products here
+    assert data["roof_threads"] == torch.get_num_threads() and data["activation_quant"] == ""
+    if gemv.gemv_available():
+        assert data["mac_roof_g"] > 0 and data["mac_roof_one_g"] > 0
     table = batching.table(data)
     assert "ms per engine step" in table and "seed" in table and "ms per pass" in table
     assert "GB/s read" in table and "A plain sum reads" in table
@@ -83,7 +89,7 @@ def test_verdict_follows_injected_step_times(lab, monkeypatch, per_extra_sequenc
             setup()
         run()  # the real steps run (their checks count), their time is replaced
         b = engines[-1].num_running if engines and engines[-1].has_unfinished_requests else 1
-        steps = batching.QUICK_DECODE_STEPS
+        steps = decode_steps.QUICK_DECODE_STEPS
         return Timing.of([0.020 * (1 + per_extra_sequence * (b - 1)) * steps] * 3)
 
     monkeypatch.setattr(batching, "decode_engine", spy_engine)
@@ -101,8 +107,8 @@ def test_verdict_follows_injected_step_times(lab, monkeypatch, per_extra_sequenc
 
 
 def point(b: int, ms: float, one_ms: float, pure: bool = True, read_mb: float = 0, macs_per_token: int = 0) -> dict:
-    return asdict(batching.decode_step_point(b, Timing.of([ms / 1e3]), 8, 32, 32, pure, one_ms / 1e3,
-                                             int(read_mb * 1e6), b * macs_per_token))  # fmt: skip
+    return asdict(decode_steps.decode_step_point(b, Timing.of([ms / 1e3]), 8, 32, 32, pure, one_ms / 1e3,
+                                                 int(read_mb * 1e6), b * macs_per_token))  # fmt: skip
 
 
 def test_verdict_needs_pure_decode_steps_and_a_ten_sequence_point():
@@ -143,3 +149,25 @@ def test_verdict_says_why_from_the_read_rate_against_the_bandwidth(one_ms, reaso
     old = {**data, "decode_steps": [point(1, one_ms, one_ms), point(10, 3 * one_ms, one_ms)]}
     del old["bandwidth_gb_s"]
     assert "Why" not in batching.verdict(old) and "GB/s read" not in batching.table(old)
+
+
+def test_verdict_sets_the_step_against_the_multiply_add_roof():
+    """With the FMA loop's rate measured, the verdict says the least time the big step's multiply-adds take
+    at it (exact products), against the 1-sequence step; with --activation-quant, that it does not bind."""
+    macs = 135_000_000  # a token's multiply-adds: 16 sequences make 2.16 G a step
+    steps = [point(1, 10.0, 10.0, read_mb=100, macs_per_token=macs),
+             point(10, 30.0, 10.0, read_mb=110, macs_per_token=macs),
+             point(16, 50.0, 10.0, read_mb=116, macs_per_token=macs)]  # fmt: skip
+    data = {"passes": [], "sequences": [], "decode_path": "decode on c-step", "decode_steps": steps,
+            "bandwidth_gb_s": 40.0, "mac_roof_g": 100.0, "mac_roof_one_g": 90.0, "roof_threads": 2}  # fmt: skip
+    text = batching.verdict(data)
+    # 2.16 G at 100 G MAC/s: 21.6 ms, 2.2× the 10 ms step; the step's own 43.2 G MAC/s are 43% of the roof
+    assert "the 2.16 G multiply-adds of a 16-sequence step take at least 21.6 ms" in text, text
+    assert "2.2× the 1-sequence step" in text and "ran at 43% of it" in text
+    assert "100 G MAC/s on 2 threads (90.0 on one: the threads shared one core's units)" in text
+    assert "on one)" in batching.verdict({**data, "mac_roof_one_g": 50.0})  # two cores: no sharing said
+    quantized = batching.verdict({**data, "activation_quant": "int8"})
+    assert "--activation-quant int8's products are integer or bfloat16 ones, which it does not bound" in quantized
+    assert "take at least" not in quantized
+    assert "G MAC/s on" not in batching.verdict({**data, "mac_roof_g": 0.0})  # not measured: not said
+    assert "A loop of float32 FMAs makes 100 G MAC/s here on 2 threads (90.0 on one)." in batching.table(data)

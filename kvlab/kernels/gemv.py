@@ -41,6 +41,7 @@ _SOURCES.append(Path(__file__).parents[1] / "parallel" / "allreduce.c")  # the s
 _SOURCES.append(Path(__file__).with_name("mxfp4.c"))  # MXFP4 blocks (gpt-oss's experts), bound by kernels/mxfp4.py
 _SOURCES.append(Path(__file__).with_name("moe.c"))  # the decode step's mixture-of-experts MLP (decode.c calls it)
 _SOURCES.append(Path(__file__).with_name("deltanet.c"))  # Gated DeltaNet's decode step, bound by kernels/deltanet.py
+_SOURCES.append(Path(__file__).with_name("probe.c"))  # the vector units' multiply-add rate, bound by kernels/probe.py
 _HEADERS = [Path(__file__).with_name(name) for name in ("pool.h", "step.h", "kv_codec.h", "quant_i8.h", "vec8.h",
                                                         "attention.h")]  # fmt: skip
 _FLAGS = ["-O3", "-march=native", "-pthread", "-shared", "-fPIC", "-std=gnu11", "-lm"]

@@ -8,8 +8,11 @@
    verdict compares the 10-sequence step with the 1-sequence step, as the seed did (28 ms for one
    token, 52 ms for ten: 1.9×), and says why the numbers came out so: each step's bytes read (the
    weights it streams, every sequence's K/V) and multiply-adds, as rates, against the read bandwidth a
-   plain sum gets here (the roofline experiment's probe). Batching is nearly free only for a step that
-   waits on memory; one whose read takes a small part of its time pays for each sequence's arithmetic.
+   plain sum gets here (the roofline experiment's probe), and the multiply-adds against the most a loop of
+   FMAs makes here (kernels/probe.c, on the engine's threads and on one): the arithmetic roof, which puts
+   a floor under a step of many sequences on the exact path whatever its kernel. Batching is nearly free
+   only for a step that waits on memory; one whose read takes a small part of its time pays for each
+   sequence's arithmetic.
 2. One forward over 1, 2, 4, 8, 16, 32 new tokens of one sequence (from an empty cache): a prompt
    chunk's cost per token, for comparison.
 3. N sequences decoding together through the modules (one contiguous cache with batch_size=N, one
@@ -23,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvlab.lab.common import Lab, Timing, forward, greedy
+from kvlab.lab.decode_steps import DecodeStepPoint, decode_engine, time_decode_steps
 from kvlab.lab.report import faster, held, md_table, num, pct, ratio, spread
 from kvlab.lab.roofline import measure_bandwidth
 from kvlab.lab.sources import BLOG_POST
@@ -50,23 +54,6 @@ STEPS, QUICK_STEPS = 4, 2
 HEADLINE_TOKENS = 16  # the prompt-chunk sentence compares a pass over this many tokens with a one-token pass
 DECODE_BATCHES, QUICK_DECODE_BATCHES = (1, 2, 4, 8, 10, 16, 32), (1, 2, 10)
 DECODE_CONTEXT, QUICK_DECODE_CONTEXT = 64, 8  # prompt tokens of each sequence before the timed steps
-DECODE_STEPS, QUICK_DECODE_STEPS = 8, 2  # consecutive engine steps per timed run
-
-
-@dataclass
-class DecodeStepPoint:
-    sequences: int  # B: sequences in the step, one new token each
-    step: Timing  # seconds per engine step (each run: `steps_per_run` consecutive steps, ÷ that)
-    tok_s: float  # B ÷ the median step
-    ms_per_token: float
-    relative_cost: float  # the median step ÷ the 1-sequence step's
-    steps_per_run: int
-    timed_steps: int  # steps the runs took, warm-up included
-    backend_steps: int  # of those, steps the decode backend ran (the rest: the modules)
-    pure_decode: bool  # every one was exactly B one-token decode rows, no prompt chunk among them
-    read_bytes: int = 0  # a step's reads: the weights one decode step streams, and every sequence's K/V
-    read_gb_s: float = 0.0  # read_bytes ÷ the median step, 1e9 bytes a second (0: not known)
-    gmac_s: float = 0.0  # B × the matrices' multiply-adds per token ÷ the median step, in 1e9 a second
 
 
 @dataclass
@@ -98,6 +85,12 @@ class BatchingResult:
     decode_path: str = ""  # the engine's decode path as it describes it ("decode on c-step", or why not)
     decode_context: int = 0  # prompt tokens of each sequence when the timed steps start
     bandwidth_gb_s: float = 0.0  # a plain sum's read rate on this machine (roofline's probe; 0: not measured)
+    # the arithmetic roof: float32 multiply-adds a second an FMA loop reaches, in 1e9 (kernels/probe.py; 0: not
+    # measured), on the engine's roof_threads threads and on one
+    mac_roof_g: float = 0.0
+    mac_roof_one_g: float = 0.0
+    roof_threads: int = 0
+    activation_quant: str = ""  # the model's --activation-quant setting ("": the exact float32 products)
 
 
 @torch.inference_mode()
@@ -106,9 +99,12 @@ def run(lab: Lab) -> BatchingResult:
     batches = QUICK_DECODE_BATCHES if lab.quick else DECODE_BATCHES
     context = QUICK_DECODE_CONTEXT if lab.quick else DECODE_CONTEXT
     result = BatchingResult([], [], decode_context=context)
-    bar = lab.progress(1 + len(batches) + len(TOKENS) + len(counts), NAME)
+    bar = lab.progress(2 + len(batches) + len(TOKENS) + len(counts), NAME)
     bar.set_postfix_str("read bandwidth")
     result.bandwidth_gb_s = measure_bandwidth(lab).gb_s
+    bar.update(result)
+    bar.set_postfix_str("multiply-add rate")
+    measure_mac_roof(lab, result)
     bar.update(result)
     engine = decode_engine(lab, max(batches), context)
     result.decode_path = engine.decode_path.describe()
@@ -155,96 +151,21 @@ def notes(result: BatchingResult, quick: bool) -> list[str]:
     return out
 
 
-def decode_engine(lab: Lab, max_batch: int, context: int):
-    """A serving engine as `kvlab serve` builds one (LLMEngine, paged cache, the decode backend), with
-    room for `max_batch` sequences of `context` prompt tokens plus every timed step."""
-    from kvlab.config import EngineConfig
-    from kvlab.engine import LLMEngine
-    from kvlab.kernels import ThreadPolicy
+def measure_mac_roof(lab: Lab, result: BatchingResult) -> None:
+    """The arithmetic roof into `result`: the FMA loop's best rate on the engine's threads and on one (0
+    where the kernels are not built, or the model is not on the CPU), and which products the model makes
+    (--activation-quant)."""
+    from kvlab.kernels.probe import mac_rate
+    from kvlab.quant.activations import activation_setting_of
 
-    longest = context + _max_new_tokens(lab) + 16
-    per_token = kv_bytes_per_token(lab)
-    config = EngineConfig(max_model_len=max(longest, 32), kv_memory_bytes=per_token * (longest + 32) * max_batch,
-                          enable_prefix_caching=False, max_num_seqs=max_batch, max_num_batched_tokens=512)  # fmt: skip
-    return LLMEngine(lab.loaded, None, config, policy=ThreadPolicy(threads=torch.get_num_threads()))
-
-
-def kv_bytes_per_token(lab: Lab) -> int:
-    """K and V bytes of one token over every layer in decode_engine's cache (the model's dtype)."""
-    from kvlab.kv.paged import PagedKVCache
-
-    return PagedKVCache.bytes_per_token_for(lab.config, lab.model.dtype)
-
-
-def _max_new_tokens(lab: Lab) -> int:
-    steps = QUICK_DECODE_STEPS if lab.quick else DECODE_STEPS
-    # every timed run and the warm-up, and what the first prompts decode while later ones are prefilled
-    return steps * (lab.repeat + 1) + 64
-
-
-def time_decode_steps(lab: Lab, engine, batch: int, context: int, one_s: float | None = None) -> DecodeStepPoint:
-    """B requests prefilled (and their first tokens sampled) untimed; then runs of consecutive engine
-    steps, each one token for every sequence: seconds per step. `one_s`: the 1-sequence step's median."""
-    from kvlab.sampling import SamplingParams
-
-    steps = QUICK_DECODE_STEPS if lab.quick else DECODE_STEPS
-    params = SamplingParams(max_tokens=_max_new_tokens(lab), temperature=0, ignore_eos=True)
-    prompts = lab.prompt(context, batch=batch, seed=batch).tolist()
-    ids = [engine.add_request(p, params) for p in prompts]
-    started: set[str] = set()
-    while len(started) < batch:  # until every prompt is in and has its first token
-        outputs = engine.step()
-        failed = [o for o in outputs if getattr(o, "error", None)]
-        if failed or not engine.has_unfinished_requests:
-            why = failed[0].error if failed else "none left"
-            raise RuntimeError(f"the engine could not start {batch} sequences: {why}")
-        started |= {o.request_id for o in outputs if o.output.token_ids}
-    seen = {"steps": 0, "backend": 0, "pure": True}
-    driver, scheduler = engine.runner.driver, engine.scheduler
-    fused_step, schedule = driver._fused_step, scheduler.schedule
-
-    def counted_fused_step(*args, **kwargs):  # which path ran the step (the driver asks once a pass)
-        backend = fused_step(*args, **kwargs)
-        seen["backend"] += backend is not None
-        return backend
-
-    def checked_schedule():  # each timed step: exactly B one-token decode rows
-        plan = schedule()
-        seen["steps"] += 1
-        seen["pure"] &= len(plan.chunks) == batch and all(c.is_decode for c in plan.chunks)
-        return plan
-
-    def run():
-        for _ in range(steps):
-            engine.step()
-
-    def cached_tokens() -> int:  # K/V rows the running sequences' next step reads
-        return sum(r.num_tokens for r in scheduler.running)
-
-    driver._fused_step, scheduler.schedule = counted_fused_step, checked_schedule
-    try:
-        before = cached_tokens()
-        timing = lab.measure(run)
-        tokens = (before + cached_tokens()) / 2  # the runs' middle: the average step's keys
-    finally:
-        driver._fused_step, scheduler.schedule = fused_step, schedule
-        for rid in ids:
-            if engine.has_request(rid):
-                engine.abort_request(rid)
-    read = lab.loaded.decode_weight_bytes() + int(tokens * kv_bytes_per_token(lab))
-    macs = batch * sum(lab.model.matmul_macs_per_token())  # the matrices' multiply-adds of B tokens
-    return decode_step_point(batch, Timing.of([s / steps for s in timing.samples_s]), steps, seen["steps"],
-                             seen["backend"], seen["pure"], one_s, read, macs)  # fmt: skip
-
-
-def decode_step_point(batch: int, step: Timing, steps_per_run: int, timed: int, backend: int, pure: bool,
-                      one_s: float | None = None, read_bytes: int = 0, macs: int = 0) -> DecodeStepPoint:
-    """A point from its step timing; `one_s`: the 1-sequence step's median (None: this is that step);
-    `read_bytes` and `macs`: what one step reads and multiplies (0: not known)."""
-    one = step.median_s if one_s is None else one_s
-    return DecodeStepPoint(batch, step, batch / step.median_s, step.median_s * 1e3 / batch, step.median_s / one,
-                           steps_per_run, timed, backend, pure, read_bytes, read_bytes / step.median_s / 1e9,
-                           macs / step.median_s / 1e9)  # fmt: skip
+    result.activation_quant = activation_setting_of(lab.model) or ""
+    if lab.model.device.type != "cpu":  # the CPU's vector units do not bound a GPU's step
+        return
+    seconds = 0.05 if lab.quick else 0.3
+    threads = torch.get_num_threads()  # decode_engine's policy
+    result.roof_threads = threads
+    result.mac_roof_g = mac_rate(threads, seconds) or 0.0
+    result.mac_roof_one_g = (result.mac_roof_g if threads == 1 else mac_rate(1, seconds)) or 0.0
 
 
 def decode_sequences(lab: Lab, n: int) -> SequencePoint:
@@ -294,6 +215,9 @@ def table(data: dict) -> str:
             parts[-1] += (f"\n\nA plain sum reads {num(data['bandwidth_gb_s'])} GB/s here. A step reads the "
                           "weights it streams and every sequence's K/V; G MAC/s counts the matrices' "
                           "multiply-adds (B × those of one token).")  # fmt: skip
+        if data.get("mac_roof_g"):
+            parts[-1] += (f" A loop of float32 FMAs makes {num(data['mac_roof_g'])} G MAC/s here on "
+                          f"{data['roof_threads']} threads ({num(data['mac_roof_one_g'])} on one).")  # fmt: skip
     parts.append(md_table(
         ["tokens in the pass", "ms per pass (min–max)", "ms per token", "pass cost vs 1 token"],
         [[num(p["tokens"]), spread(p["timing"]), num(p["ms_per_token"]), ratio(p["relative_cost"])]
@@ -367,8 +291,34 @@ def why(data: dict) -> str:
             f"{pct(share)} of the {num(bandwidth)} GB/s a plain sum reads here")  # fmt: skip
     rates = (f"at {big['sequences']} sequences the matrices ran {num(big['gmac_s'])} G MAC/s, "
              f"{ratio(big['gmac_s'] / one['gmac_s'])} one sequence's {num(one['gmac_s'])}")  # fmt: skip
+    roof = roof_sentence(data, one, big)
     if share >= MEMORY_BOUND:
-        return f"Why: {read}, so it waits on memory and more sequences ride on the same read; {rates}."
+        return f"Why: {read}, so it waits on memory and more sequences ride on the same read; {rates}.{roof}"
     return (f"Why: {read}: the read is a small part of the step, whose time goes to arithmetic, and each "
             f"sequence brings its own ({rates}, the step {ratio(big['relative_cost'])}). Batching is nearly "
-            "free only for a step bound by its read.")  # fmt: skip
+            f"free only for a step bound by its read.{roof}")  # fmt: skip
+
+
+def roof_sentence(data: dict, one: dict, big: dict) -> str:
+    """What the arithmetic roof says of the big step: on the exact path, the least time its multiply-adds
+    take at the roof against the 1-sequence step; with --activation-quant, that the roof does not bind
+    (integer or bfloat16 products). "" where the roof was not measured."""
+    roof, threads = data.get("mac_roof_g") or 0.0, data.get("roof_threads") or 0
+    if not roof or not big.get("gmac_s"):
+        return ""
+    one_roof = data.get("mac_roof_one_g") or 0.0
+    rate = f"{num(roof)} G MAC/s on {threads} thread{'s' if threads > 1 else ''}"
+    if threads > 1 and one_roof:
+        rate += f" ({num(one_roof)} on one"
+        rate += ": the threads shared one core's units)" if roof < 1.5 * one_roof else ")"
+    setting = data.get("activation_quant")
+    if setting:
+        return (f" A loop of float32 FMAs makes {rate} here; the matrices' {num(big['gmac_s'])} G MAC/s are "
+                f"{ratio(big['gmac_s'] / roof)} that, as --activation-quant {setting}'s products are integer or "
+                "bfloat16 ones, which it does not bound.")  # fmt: skip
+    floor_s = big["gmac_s"] * big["step"]["median_s"] / roof  # the step's multiply-adds at the roof
+    one_s = one["step"]["median_s"]
+    return (f" A loop of float32 FMAs makes {rate} here: the {num(big['gmac_s'] * big['step']['median_s'])} G "
+            f"multiply-adds of a {big['sequences']}-sequence step take at least {num(floor_s * 1e3)} ms at that "
+            f"rate, {ratio(floor_s / one_s)} the 1-sequence step before any other work, whatever the kernel; the "
+            f"matrices ran at {pct(big['gmac_s'] / roof)} of it.")  # fmt: skip

@@ -121,7 +121,7 @@ def run(lab: Lab) -> MoeResult:
 
 
 def measure_model(lab: Lab, label: str, shape: LayerShape, batches, bandwidth: float, bar) -> ModelPoint:
-    from kvlab.lab.batching import decode_engine, time_decode_steps
+    from kvlab.lab.decode_steps import decode_engine, time_decode_steps
 
     loaded = lab.loaded
     context = QUICK_CONTEXT if lab.quick else CONTEXT

@@ -28,6 +28,7 @@ window's first 512 tokens in one pass, the rest 16 at a time.
 
     with_activation_setting(loaded, setting)
                                     every packed matrix of the model interleaved for the setting
+    activation_setting_of(model)    the setting a model's matrices were repacked for (None: exact)
     with_int8_activations(loaded)   every packed matrix of the model interleaved (a mixture's experts
                                     expert by expert: all of them then resident in memory, where the
                                     exact path leaves an unchosen expert's blocks on disk); the
@@ -70,6 +71,25 @@ def setting_name(activation_quant: str) -> str:
 def with_int8_activations(loaded):
     """with_activation_setting(loaded, "int8")."""
     return with_activation_setting(loaded, "int8")
+
+
+def activation_setting_of(model) -> str | None:
+    """The setting with_activation_setting repacked the model's matrices for ("int8", "bf16x3"); None
+    where every matrix still multiplies float32 activations on the exact path."""
+    from kvlab.model.experts import Experts
+    from kvlab.quant.linear import PackedLinear
+
+    for module in model.modules():
+        if isinstance(module, PackedLinear):
+            formats = module.formats
+        elif isinstance(module, Experts):
+            formats = [fmt for parts in module.formats.values() for fmt in parts]
+        else:
+            continue
+        for setting, form in FORMS.items():
+            if any(fmt.endswith(form) for fmt in formats):
+                return setting
+    return None
 
 
 def with_activation_setting(loaded, setting: str):
