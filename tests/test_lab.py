@@ -228,3 +228,24 @@ def test_plots_label_their_log_axes_and_keep_the_legend_off_the_title(lab_run):
     assert len(ax.get_legend().get_texts()) == 2  # both axes' series in one legend
     assert legend.y1 < ax.get_window_extent().y0  # under the plot, clear of the title
     plt.close(fig)
+
+
+def test_roofline_sets_prefill_and_decode_against_the_measured_arithmetic_roof(lab_run):
+    """The FMA loop's rate is measured on the lab's threads; the verdict and the table give each phase's
+    FLOP/s as a share of twice it (two FLOPs a multiply-add), and say nothing of it where it is absent."""
+    from kvlab.kernels import gemv
+    from kvlab.lab import roofline
+
+    _, results = lab_run
+    data = dict(results["experiments"]["roofline"])
+    assert data["roof_threads"] == (1 if gemv.gemv_available() else 0)  # QUICK runs on one thread
+    assert (data["mac_roof_g"] > 0) == gemv.gemv_available()
+    data["mac_roof_g"], data["roof_threads"] = 50.0, 1  # 100 GFLOP/s
+    data["prefill"] = {**data["prefill"], "flop_s": 40e9}
+    data["decode"] = {**data["decode"], "flop_s": 2e9}
+    text = roofline.verdict(data)
+    assert text.endswith("A loop of float32 FMAs makes 100 GFLOP/s here: prefill ran at 40% of that arithmetic "
+                         "roof, decode at 2%."), text  # fmt: skip
+    assert "prefill ran at 40% of it, decode at 2%" in roofline.table(data)
+    data["mac_roof_g"] = 0.0
+    assert "FMAs" not in roofline.verdict(data) and "FMAs" not in roofline.table(data)

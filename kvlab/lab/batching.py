@@ -28,8 +28,9 @@ import torch
 from kvlab.lab.common import Lab, Timing, forward, greedy
 from kvlab.lab.decode_steps import DecodeStepPoint, decode_engine, time_decode_steps
 from kvlab.lab.report import faster, held, md_table, num, pct, ratio, spread
-from kvlab.lab.roofline import measure_bandwidth
+from kvlab.lab.roofline import measure_bandwidth, measure_mac_roof
 from kvlab.lab.sources import BLOG_POST
+from kvlab.quant.activations import activation_setting_of
 
 NAME = "batching"
 TITLE = "Batching: many tokens for the price of one weight read"
@@ -104,7 +105,9 @@ def run(lab: Lab) -> BatchingResult:
     result.bandwidth_gb_s = measure_bandwidth(lab).gb_s
     bar.update(result)
     bar.set_postfix_str("multiply-add rate")
-    measure_mac_roof(lab, result)
+    roof = measure_mac_roof(lab)
+    result.roof_threads, result.mac_roof_g, result.mac_roof_one_g = roof.threads, roof.g_mac_s, roof.one_g_mac_s
+    result.activation_quant = activation_setting_of(lab.model) or ""
     bar.update(result)
     engine = decode_engine(lab, max(batches), context)
     result.decode_path = engine.decode_path.describe()
@@ -149,23 +152,6 @@ def notes(result: BatchingResult, quick: bool) -> list[str]:
         out.append("batched and single passes add their products in a different order (BLAS against the "
                    "GEMV kernel), so a near-tie between two tokens can go either way")  # fmt: skip
     return out
-
-
-def measure_mac_roof(lab: Lab, result: BatchingResult) -> None:
-    """The arithmetic roof into `result`: the FMA loop's best rate on the engine's threads and on one (0
-    where the kernels are not built, or the model is not on the CPU), and which products the model makes
-    (--activation-quant)."""
-    from kvlab.kernels.probe import mac_rate
-    from kvlab.quant.activations import activation_setting_of
-
-    result.activation_quant = activation_setting_of(lab.model) or ""
-    if lab.model.device.type != "cpu":  # the CPU's vector units do not bound a GPU's step
-        return
-    seconds = 0.05 if lab.quick else 0.3
-    threads = torch.get_num_threads()  # decode_engine's policy
-    result.roof_threads = threads
-    result.mac_roof_g = mac_rate(threads, seconds) or 0.0
-    result.mac_roof_one_g = (result.mac_roof_g if threads == 1 else mac_rate(1, seconds)) or 0.0
 
 
 def decode_sequences(lab: Lab, n: int) -> SequencePoint:

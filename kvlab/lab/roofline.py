@@ -6,6 +6,8 @@
 3. Prefill: one 1,024-token prompt. FLOPs = 2 × matmul params × tokens (+ the LM head once) + attention.
 Arithmetic intensity = FLOPs ÷ bytes read; a phase below the machine's ridge point (compute ÷
 bandwidth) waits for memory. The bandwidth also predicts decode's best case: bandwidth ÷ bytes per step.
+4. The arithmetic roof: the best rate a loop of float32 FMAs reaches on the lab's threads (kernels/probe.c,
+   2 FLOPs a multiply-add), against which prefill's and decode's FLOP/s are shares.
 """
 
 from __future__ import annotations
@@ -66,6 +68,15 @@ class RooflineResult:
     measured_decode_tok_s: float
     ridge_intensity: float  # FLOP/byte where prefill's FLOP/s meets the bandwidth roof
     notes: list[str] = field(default_factory=list)
+    mac_roof_g: float = 0.0  # the FMA loop's G MAC/s on roof_threads threads (0: not measured)
+    roof_threads: int = 0
+
+
+@dataclass
+class MacRoof:
+    threads: int = 0  # the lab's threads (torch's, which the engines it builds use); 0: not measured
+    g_mac_s: float = 0.0  # the FMA loop's best rate on those threads, 1e9 multiply-adds a second
+    one_g_mac_s: float = 0.0  # on one thread
 
 
 def measure_bandwidth(lab: Lab) -> Bandwidth:
@@ -74,6 +85,19 @@ def measure_bandwidth(lab: Lab) -> Bandwidth:
     x = torch.ones(size // 4, dtype=torch.float32)  # ones(): every page is written, so really in RAM
     timing = lab.measure(lambda: x.sum(), repeat=max(lab.repeat, 5))
     return Bandwidth(size, timing, size / timing.median_s / 1e9, size / timing.min_s / 1e9)
+
+
+def measure_mac_roof(lab: Lab) -> MacRoof:
+    """The arithmetic roof (kernels/probe.py): the best rate a loop of float32 FMAs reaches on the lab's
+    threads and on one. Zeros where the kernels are not built, or the model is not on the CPU (whose
+    vector units do not bound a GPU's passes)."""
+    from kvlab.kernels.probe import mac_rate
+
+    if lab.model.device.type != "cpu":
+        return MacRoof()
+    seconds, threads = (0.05 if lab.quick else 0.3), torch.get_num_threads()
+    rate = mac_rate(threads, seconds) or 0.0
+    return MacRoof(threads, rate, (rate if threads == 1 else mac_rate(1, seconds)) or 0.0)
 
 
 def pass_cost(lab: Lab, name: str, new: int, context: int, timing: Timing) -> PhaseCost:
@@ -92,9 +116,12 @@ def pass_cost(lab: Lab, name: str, new: int, context: int, timing: Timing) -> Ph
 
 @torch.inference_mode()
 def run(lab: Lab) -> RooflineResult:
-    bar = lab.progress(3, NAME)
+    bar = lab.progress(4, NAME)
     bar.set_postfix_str("read bandwidth")
     bandwidth = measure_bandwidth(lab)
+    bar.update()
+    bar.set_postfix_str("multiply-add rate")
+    roof = measure_mac_roof(lab)
     bar.update()
 
     bar.set_postfix_str("decode")
@@ -119,7 +146,7 @@ def run(lab: Lab) -> RooflineResult:
     ]
     return RooflineResult(
         bandwidth, decode, prefill, decode.bytes_s / bw, bw / decode.bytes_read, 1 / decode.timing.median_s,
-        prefill.flop_s / bw, notes,
+        prefill.flop_s / bw, notes, roof.g_mac_s, roof.threads,
     )  # fmt: skip
 
 
@@ -141,6 +168,12 @@ def table(data: dict) -> str:
           num(data["measured_decode_tok_s"]), num(decode["bytes_read"] / bw["gb_s"] / 1e6),
           num(decode["timing"]["median_s"] * 1e3), num(data["ridge_intensity"])]],
     )  # fmt: skip
+    roof = data.get("mac_roof_g") or 0.0
+    if roof:  # the FMA loop, 2 FLOPs a multiply-add
+        summary += (f"\n\nA loop of float32 FMAs makes {num(2 * roof)} GFLOP/s here on {data['roof_threads']} "
+                    f"thread{'s' if data['roof_threads'] > 1 else ''}: prefill ran at "
+                    f"{pct(data['prefill']['flop_s'] / 1e9 / (2 * roof))} of it, decode at "
+                    f"{pct(data['decode']['flop_s'] / 1e9 / (2 * roof))}.")  # fmt: skip
     return md_table(head, rows) + "\n\n" + summary
 
 
@@ -156,4 +189,15 @@ def verdict(data: dict) -> str:
         f"of prefill's {num(prefill['flop_s'] / 1e9)} ({SOURCE.short}: under 1/40); bandwidth ÷ bytes per step "
         f"predicts at most {num(data['predicted_decode_tok_s'])} tok/s and decode made "
         f"{num(data['measured_decode_tok_s'])}, {pct(data['measured_decode_tok_s'] / data['predicted_decode_tok_s'])} of it."
-    )
+    ) + arithmetic_roof(data)
+
+
+def arithmetic_roof(data: dict) -> str:
+    """Prefill's and decode's FLOP/s as shares of what a loop of float32 FMAs makes here ("" where the
+    roof was not measured: results from before it, or a GPU's run)."""
+    roof = 2 * (data.get("mac_roof_g") or 0.0) * 1e9  # FLOP/s
+    if not roof:
+        return ""
+    prefill, decode = data["prefill"]["flop_s"], data["decode"]["flop_s"]
+    return (f" A loop of float32 FMAs makes {num(roof / 1e9)} GFLOP/s here: prefill ran at {pct(prefill / roof)} of "
+            f"that arithmetic roof, decode at {pct(decode / roof)}.")  # fmt: skip
