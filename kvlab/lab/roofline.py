@@ -168,13 +168,22 @@ def table(data: dict) -> str:
           num(data["measured_decode_tok_s"]), num(decode["bytes_read"] / bw["gb_s"] / 1e6),
           num(decode["timing"]["median_s"] * 1e3), num(data["ridge_intensity"])]],
     )  # fmt: skip
-    roof = data.get("mac_roof_g") or 0.0
-    if roof:  # the FMA loop, 2 FLOPs a multiply-add
-        summary += (f"\n\nA loop of float32 FMAs makes {num(2 * roof)} GFLOP/s here on {data['roof_threads']} "
-                    f"thread{'s' if data['roof_threads'] > 1 else ''}: prefill ran at "
-                    f"{pct(data['prefill']['flop_s'] / 1e9 / (2 * roof))} of it, decode at "
-                    f"{pct(data['decode']['flop_s'] / 1e9 / (2 * roof))}.")  # fmt: skip
+    shares = roof_shares(data)
+    if shares:
+        roof, prefill, decode = shares
+        threads = data["roof_threads"]
+        summary += (f"\n\nA loop of float32 FMAs makes {num(roof / 1e9)} GFLOP/s here on {threads} "
+                    f"thread{'s' if threads > 1 else ''}: prefill ran at {pct(prefill)} of it, decode at {pct(decode)}.")  # fmt: skip
     return md_table(head, rows) + "\n\n" + summary
+
+
+def roof_shares(data: dict) -> tuple[float, float, float] | None:
+    """(the arithmetic roof in FLOP/s: 2 a multiply-add of the FMA loop, prefill's share of it, decode's);
+    None where the roof was not measured (results from before it, or a GPU's run)."""
+    roof = 2 * (data.get("mac_roof_g") or 0.0) * 1e9
+    if not roof:
+        return None
+    return roof, data["prefill"]["flop_s"] / roof, data["decode"]["flop_s"] / roof
 
 
 def verdict(data: dict) -> str:
@@ -193,11 +202,10 @@ def verdict(data: dict) -> str:
 
 
 def arithmetic_roof(data: dict) -> str:
-    """Prefill's and decode's FLOP/s as shares of what a loop of float32 FMAs makes here ("" where the
-    roof was not measured: results from before it, or a GPU's run)."""
-    roof = 2 * (data.get("mac_roof_g") or 0.0) * 1e9  # FLOP/s
-    if not roof:
+    """The verdict's sentence on prefill's and decode's shares of the arithmetic roof ("" without one)."""
+    shares = roof_shares(data)
+    if not shares:
         return ""
-    prefill, decode = data["prefill"]["flop_s"], data["decode"]["flop_s"]
-    return (f" A loop of float32 FMAs makes {num(roof / 1e9)} GFLOP/s here: prefill ran at {pct(prefill / roof)} of "
-            f"that arithmetic roof, decode at {pct(decode / roof)}.")  # fmt: skip
+    roof, prefill, decode = shares
+    return (f" A loop of float32 FMAs makes {num(roof / 1e9)} GFLOP/s here: prefill ran at {pct(prefill)} of "
+            f"that arithmetic roof, decode at {pct(decode)}.")  # fmt: skip
