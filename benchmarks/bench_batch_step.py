@@ -91,7 +91,8 @@ def main() -> int:
         # of 512 tokens, less the decodes' rows: under prompt_len · B / 128), and the timed steps
         context = max(1024, args.prompt_len + args.prompt_len * max(args.batches) // 128 + args.steps + 8)
         llms = {s: LLM(model, threads=args.threads, activation_quant=SETTINGS[s], max_model_len=context,
-                       enable_prefix_caching=False, kv_cache_dtype=args.kv_cache_dtype) for s in args.settings}  # fmt: skip
+                       enable_prefix_caching=False, kv_cache_dtype=args.kv_cache_dtype,
+                       max_num_seqs=max(32, *args.batches)) for s in args.settings}  # fmt: skip
         samples = {(s, b): [] for s in args.settings for b in args.batches}
         splits = {(s, b): [] for s in args.settings for b in args.batches}
         roofs: list[tuple[float, float]] = []  # (G MAC/s on the threads, on one) each round
