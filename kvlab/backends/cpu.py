@@ -160,7 +160,8 @@ class CpuDecodeBackend:
         x = x.float().contiguous()
         positions = meta.positions[0]  # [B]
         B = x.shape[0]
-        groups = [_GroupView(cache, g, view, positions) for g, view in enumerate(meta.kv_groups)]
+        groups = [_GroupView(cache, g, view.groups[0], positions, view.slot_mapping)
+                  for g, view in enumerate(meta.kv_groups)]  # fmt: skip
         max_keys = max(v.max_keys for v in groups)
         scratch = torch.empty(self.lib["scratch_floats"](B, *self.geometry, max_keys))
         k_fmt, v_fmt = self.kv_ids[unrotated(cache.formats.k).name], self.kv_ids[unrotated(cache.formats.v).name]
@@ -262,10 +263,14 @@ class _Plan:
 
 class _GroupView:
     """One KV group's share of a decode step as decode.c reads it: slots, block tables (from the first
-    block its window reaches), the keys each sequence's table holds, and where each window starts."""
+    block its window reaches), the keys each sequence's table holds, and where each window starts. Also a
+    mixed pass's decode rows (cpu_attention.py)."""
 
-    def __init__(self, cache, g: int, view, positions: torch.Tensor):
-        group = view.groups[0]
+    def __init__(self, cache, g: int, group, positions: torch.Tensor, slot_mapping: torch.Tensor | None = None):
+        """`group`: the step's attention group in KV group g (one new token a sequence); `slot_mapping`: where
+        the step writes each new token's K/V (None: already written, as a mixed pass's decode rows are)."""
+        self.slot_mapping = slot_mapping
+        self.slots = slot_mapping.data_ptr() if slot_mapping is not None else None
         bs, window = cache.block_size, cache.layout.groups[g].window
         self.positions = positions
         if window is None:  # the tables start at key 0
@@ -274,8 +279,7 @@ class _GroupView:
             self.table_start = torch.tensor([window_start(window, p) // bs * bs for p in positions.tolist()])
         self.num_keys = (positions + 1 - self.table_start).contiguous()  # [B]
         self.tables = group.block_tables.contiguous()
-        self.slot_mapping = view.slot_mapping
-        self.slots, self.tables_ptr = self.slot_mapping.data_ptr(), self.tables.data_ptr()
+        self.tables_ptr = self.tables.data_ptr()
         self.stride, self.num_keys_ptr = self.tables.shape[1], self.num_keys.data_ptr()
         self.max_keys = int(group.num_keys)
         self._first: dict[int | None, torch.Tensor] = {}

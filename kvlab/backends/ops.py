@@ -121,6 +121,12 @@ class TorchOps:
         [B, H, T, D], k and v [B, Hkv, L, D], a causal `mask` or none), or None: the caller runs PyTorch's."""
         return None
 
+    def paged_attention(self, cache, layer: int, q: torch.Tensor, group, g: int, positions: torch.Tensor,
+                        softmax) -> torch.Tensor | None:
+        """Attention of a group of one-token rows (q [H, B, D], their K/V stored) read from the paged cache's
+        codes in place (kv/paged.py's attend; `softmax`: the layer's), or None: the cache gathers them."""
+        return None
+
     def kv_write(self, fmt, x: torch.Tensor, slots: torch.Tensor, parts: list[torch.Tensor]) -> bool:
         """A pass's keys or values x [N, Hkv, D] into a layer's storage `parts` at `slots`, encoded in `fmt`
         (kv/formats.py's KVFormat, as kv/paged.py's write stores it); False: not taken, the caller encodes."""
@@ -246,6 +252,14 @@ class CpuOps(TorchOps):
         from kvlab.kernels.gemv import prompt_attention
 
         return prompt_attention(q, k, v, mask, scale)
+
+    def paged_attention(self, cache, layer, q, group, g, positions, softmax):
+        from kvlab.backends.cpu_attention import attend_rows
+
+        policy = current()
+        if not (policy.use_kernels and policy.fused_decode):  # without the decode step: PyTorch's, the reference
+            return None
+        return attend_rows(cache, layer, q, group, g, positions, softmax)
 
     def kv_write(self, fmt, x, slots, parts):
         from kvlab.kernels.decode import kv_write

@@ -23,7 +23,8 @@
 typedef struct {
     const Layer* layer;
     const Step* step;
-    const float* qkv;  // [B, (H + 2 Hkv) · D], q and k rotated (RoPE; and Hadamard with `rotate_k`)
+    const float* qkv;  // [B, q_row]: each row's H query heads first, rotated (RoPE; and Hadamard with `rotate_k`)
+    int64_t q_row;     // floats from one row of qkv to the next: (H + 2 Hkv) · D in the decode step
     float* out;        // [B, H · D]
     float* scores;     // [B · H, max_keys]
     float* partial;    // [B, chunks, H, D + 2]: per chunk and head, its max score, sum of weights, Σ weight · v
@@ -87,7 +88,7 @@ static inline __attribute__((always_inline)) void attend(void* ctx, uint32_t beg
     const Layer* L = a->layer;
     const Step* S = a->step;
     const int64_t D = L->head_dim, H = L->heads, Hkv = L->kv_heads, group = H / Hkv;
-    const int64_t qkv_row = (H + 2 * Hkv) * D, bs = S->block_size, stride = S->max_keys;
+    const int64_t qkv_row = a->q_row, bs = S->block_size, stride = S->max_keys;
     const float scale = L->qk_scale;
     float kbuf[MAX_HEAD_DIM], vbuf[MAX_HEAD_DIM], kbuf8[8 * MAX_HEAD_DIM];
     const int64_t split = a->parts > 1 ? a->parts / Hkv : 1;  // parts of a group
@@ -297,7 +298,7 @@ static inline __attribute__((always_inline)) void attend_rows(void* ctx, uint32_
     const Layer* L = a->layer;
     const Step* S = a->step;
     const int64_t D = 16 * DV, H = L->heads, Hkv = L->kv_heads, group = H / Hkv, cb = code_bytes(FMT, D);
-    const int64_t qkv_row = (H + 2 * Hkv) * D, bs = S->block_size, stride = S->max_keys;
+    const int64_t qkv_row = a->q_row, bs = S->block_size, stride = S->max_keys;
     const float scale = L->qk_scale;
     const int64_t split = a->parts > 1 ? a->parts / Hkv : 1;
     float kbuf[MAX_HEAD_DIM];
@@ -440,8 +441,8 @@ static void attend_in_cache(void* ctx, uint32_t begin, uint32_t end) { attend(ct
 #define AHEAD_ONE 1
 #endif
 
-void kvlab_decode_attention(const Layer* L, const Step* S, const float* qkv, float* out, float* scores, float* partial,
-                            int threads) {
+static void attention_of(const Layer* L, const Step* S, const float* qkv, int64_t q_row, float* out, float* scores,
+                         float* partial, int threads) {
     const int64_t chunks = num_chunks(S->max_keys), group = L->heads / L->kv_heads, pairs = S->batch * chunks;
     // every kv head in one item where the (sequence, chunk) pairs give each thread a few; else each kv
     // head's group of query heads split until the items give every thread two, or one head each
@@ -453,9 +454,39 @@ void kvlab_decode_attention(const Layer* L, const Step* S, const float* qkv, flo
         split = (group + per_part - 1) / per_part;  // no part left empty
         parts = L->kv_heads * split;
     }
-    Attend a = {L, S, qkv, out, scores, partial, chunks, parts, per_part};
+    Attend a = {L, S, qkv, q_row, out, scores, partial, chunks, parts, per_part};
     const int ahead = (S->batch > 1 || AHEAD_ONE) && S->batch * S->max_keys >= AHEAD_KEYS;
     const PoolTask rows = rows_form(L, S, ahead);
     kvlab_pool_run(rows ? rows : ahead ? attend_ahead : attend_in_cache, &a, (uint32_t)(pairs * parts), 1, threads);
     merge(&a);
+}
+
+void kvlab_decode_attention(const Layer* L, const Step* S, const float* qkv, float* out, float* scores, float* partial,
+                            int threads) {
+    attention_of(L, S, qkv, (L->heads + 2 * L->kv_heads) * L->head_dim, out, scores, partial, threads);
+}
+
+int64_t kvlab_paged_attention_scratch_floats(int64_t batch, int64_t heads, int64_t head_dim, int64_t max_keys) {
+    return batch * heads * (head_dim + max_keys + num_chunks(max_keys) * (head_dim + 2));
+}
+
+// The same attention for B one-token rows outside the decode step: a mixed pass's decode rows (the
+// modules' path, kvlab/kv/paged.py), whose new keys and values are already in the cache. q: each row's H
+// query heads after RoPE, q_row floats apart; out [B, H · D]; scratch: kvlab_paged_attention_scratch_floats.
+// Where the cache stores keys rotated, q is rotated into that basis first (in the scratch), as the step does.
+void kvlab_paged_attention(const Layer* L, const Step* S, const float* q, int64_t q_row, float* out, float* scratch,
+                           int threads) {
+    const int64_t B = S->batch, H = L->heads, D = L->head_dim;
+    float* rotated = scratch;
+    float* scores = rotated + B * H * D;
+    float* partial = scores + B * H * S->max_keys;
+    if (S->rotate_k) {
+        for (int64_t b = 0; b < B; b++) {
+            memcpy(rotated + b * H * D, q + b * q_row, H * D * sizeof(float));
+            kvlab_hadamard_f32(rotated + b * H * D, H, D);
+        }
+        q = rotated;
+        q_row = H * D;
+    }
+    attention_of(L, S, q, q_row, out, scores, partial, threads);
 }

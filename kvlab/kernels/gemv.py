@@ -158,6 +158,8 @@ def _load() -> None:
                                 ctypes.c_int)  # fmt: skip
     _decode["kv_decode"] = _bind(lib, "kvlab_kv_decode", [ctypes.c_int, pointer, pointer, int64, int64, pointer], ctypes.c_int)
     _decode["hadamard"] = _bind(lib, "kvlab_hadamard_f32", [pointer, int64, int64])
+    _decode["paged_attention"] = _bind(lib, "kvlab_paged_attention", [pointer] * 3 + [int64] + [pointer] * 2 + [ctypes.c_int])
+    _decode["paged_attention_scratch"] = _bind(lib, "kvlab_paged_attention_scratch_floats", [int64] * 4, int64)
     _decode["attention_rows"] = _bind(lib, "kvlab_attention_rows", [ctypes.c_int], ctypes.c_int)
     _decode["kv_format"] = _bind(lib, "kvlab_kv_format", [ctypes.c_int], ctypes.c_char_p)
     _decode["activation"] = _bind(lib, "kvlab_decode_activation", [ctypes.c_int], ctypes.c_char_p)

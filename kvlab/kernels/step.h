@@ -196,5 +196,10 @@ static inline int64_t num_chunks(int64_t max_keys) { return (max_keys + CHUNK_KE
 // shows, out [B, H·D] the heads' outputs; scores and partial are scratch (kvlab_decode_scratch_floats)
 void kvlab_decode_attention(const Layer* L, const Step* S, const float* qkv, float* out, float* scores, float* partial,
                             int threads);
+// The same for B one-token rows outside the decode step (attention.c): q's rows q_row floats apart, their
+// K/V already stored; scratch: kvlab_paged_attention_scratch_floats(B, H, D, max_keys) floats
+int64_t kvlab_paged_attention_scratch_floats(int64_t batch, int64_t heads, int64_t head_dim, int64_t max_keys);
+void kvlab_paged_attention(const Layer* L, const Step* S, const float* q, int64_t q_row, float* out, float* scratch,
+                           int threads);
 
 #endif

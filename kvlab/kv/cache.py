@@ -164,8 +164,10 @@ class KVCache(ABC):
         self.write(layer, k, v, meta)
         return self.read(layer, meta)
 
-    def attend(self, layer: int, q, k, v, meta: AttentionMetadata, attention) -> torch.Tensor:
-        """Store k, v [B, Hkv, T, D]; return attention(q, keys, values, meta) [B, H, T, D] over what q may see."""
+    def attend(self, layer: int, q, k, v, meta: AttentionMetadata, attention, softmax=None) -> torch.Tensor:
+        """Store k, v [B, Hkv, T, D]; return attention(q, keys, values, meta) [B, H, T, D] over what q may see.
+        `softmax` (model/attention.py's Softmax, or None): what `attention` computes, for a cache that can read
+        its keys itself (the paged cache's decode rows)."""
         k_all, v_all = self.update(layer, k, v, meta)
         return attention(q, k_all, v_all, meta.for_window(self.window(layer)))
 

@@ -189,13 +189,23 @@ class PagedKVCache(KVCache):
             raise ValueError("a paged step with several attention groups is read group by group (attend)")
         return self.gather(layer, view.groups[0])
 
-    def attend(self, layer: int, q, k, v, meta: PagedMetadata, attention) -> torch.Tensor:
-        """q [1, H, N, D], k, v [1, Hkv, N, D] packed → [1, H, N, D]: each group attends to its own keys."""
-        view = meta.kv_groups[self.placement[layer][0]]  # the layer's KV group: its slots and tables
+    def attend(self, layer: int, q, k, v, meta: PagedMetadata, attention, softmax=None) -> torch.Tensor:
+        """q [1, H, N, D], k, v [1, Hkv, N, D] packed → [1, H, N, D]: each group attends to its own keys.
+        A group of one-token rows (a mixed pass's decodes) reads the stored codes in place where the
+        device's ops take it (`softmax`: what `attention` computes; backends/cpu_attention.py)."""
+        g = self.placement[layer][0]
+        view = meta.kv_groups[g]  # the layer's KV group: its slots and tables
         window = self.window(layer)
         self.write(layer, k, v, view)
         outs = []
+        ops = current_ops()
         for group in view.groups:
+            if softmax is not None and group.hi - group.lo == group.batch_size:  # one token a sequence
+                out = ops.paged_attention(self, layer, q[0, :, group.lo : group.hi], group, g,
+                                          meta.positions[0, group.lo : group.hi], softmax)  # fmt: skip
+                if out is not None:
+                    outs.append(out.unsqueeze(0))  # [1, H, B, D]
+                    continue
             k_all, v_all = self.gather(layer, group)
             B = group.batch_size  # B sequences of T tokens each, packed one after another
             q_batch = q[0, :, group.lo : group.hi].unflatten(1, (B, -1)).transpose(0, 1)  # [B, H, T, D]

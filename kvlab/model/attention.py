@@ -18,12 +18,23 @@ batch of sequences of different lengths, the padding keys past each one's end.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from kvlab.backends.ops import current_ops
 from kvlab.kv.cache import AttentionMetadata
+
+
+@dataclass(frozen=True)
+class Softmax:
+    """What a layer's attention computes, for a cache that reads its keys itself (kv/paged.py's decode rows):
+    softmax(q · kᵀ · scale) · v, with one more logit per query head whose value row is zero where `sinks` [H]
+    is given (gpt-oss)."""
+
+    scale: float
+    sinks: torch.Tensor | None = None
 
 
 def sdpa_attention(q, k, v, meta: AttentionMetadata, scale: float | None = None) -> torch.Tensor:

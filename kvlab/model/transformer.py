@@ -10,6 +10,7 @@ Shapes: B sequences, T new tokens, H query heads, Hkv key/value heads, D head di
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 from torch import nn
@@ -19,7 +20,7 @@ from kvlab.config import MLA as MLAConfig
 from kvlab.config import GatedDeltaNet as DeltaNetConfig
 from kvlab.config import ModelConfig, MoE, RopeConfig
 from kvlab.kv.cache import AttentionMetadata, KVCache
-from kvlab.model.attention import ATTENTION_BACKENDS, sdpa_attention, sink_attention
+from kvlab.model.attention import ATTENTION_BACKENDS, Softmax, sdpa_attention, sink_attention
 from kvlab.model.deltanet import GatedDeltaNet
 from kvlab.model.layers import GATED_MLPS, Embedding, Linear, OffsetRMSNorm, RMSNorm, Vector
 from kvlab.model.mla import MLAttention, rotary_dim
@@ -80,7 +81,13 @@ class Attention(nn.Module):
         attention = self.attend if self.scale is None else functools.partial(self.attend, scale=self.scale)
         if self.sinks is not None:
             attention = functools.partial(sink_attention, sinks=self.sinks.weight, scale=self.scale)
-        out = cache.attend(self.layer_index, q, k, v, meta, attention).transpose(1, 2).reshape(B, T, -1)  # [B, T, H·D]
+        # what it computes, where the cache may read its keys itself (not the lab's materialized attention)
+        softmax = None
+        if self.attend is sdpa_attention:
+            scale = 1 / math.sqrt(self.head_dim) if self.scale is None else self.scale
+            softmax = Softmax(scale, self.sinks.weight if self.sinks is not None else None)
+        out = cache.attend(self.layer_index, q, k, v, meta, attention, softmax)  # [B, H, T, D]
+        out = out.transpose(1, 2).reshape(B, T, -1)  # [B, T, H·D]
         if self.gate_proj is not None:
             out = out * torch.sigmoid(self.gate_proj(x))
         return self.o_proj(out)
