@@ -25,13 +25,12 @@ from kvlab.kernels import ThreadPolicy
 from kvlab.kernels.decode import library
 from kvlab.model.attention import sdpa_attention, sink_attention
 from kvlab.model.loader import load_model
-from kvlab.sampling import SamplingParams
+
+from interleaved import run_all
 from tiny import build_tiny
 from tiny_moe import build_tiny_moe
 
 pytestmark = pytest.mark.skipif(not library(), reason="no C compiler: the decode step's attention is not built")
-
-GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module", params=["qwen2-d64", "gemma3", "gpt_oss"])
@@ -53,16 +52,6 @@ def engine(model, kv: str = "auto", budget: int = 40, **policy) -> LLMEngine:
     config = EngineConfig(enable_prefix_caching=False, max_num_seqs=8, max_num_batched_tokens=budget,
                           kv_cache_dtype=kv)  # fmt: skip
     return LLMEngine(model, None, config, policy=ThreadPolicy(**policy))
-
-
-def run_all(eng: LLMEngine, batch: list[list[int]]) -> list[list[int]]:
-    ids = [eng.add_request(p, GREEDY) for p in batch]
-    done = {}
-    while eng.has_unfinished_requests:
-        for out in eng.step():
-            if out.finished:
-                done[out.request_id] = out.output.token_ids
-    return [done[i] for i in ids]
 
 
 def reference(cache, layer: int, q: torch.Tensor, group, softmax) -> torch.Tensor:
