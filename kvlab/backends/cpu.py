@@ -46,11 +46,11 @@ import torch
 
 from kvlab.backends.cpu_layer import describe_layer, is_attention
 from kvlab.kernels import gemv
-from kvlab.kernels.decode import (MAX_HEAD_DIM, Angles, KVStore, KVView, LayerDesc, LayerStep, StepDesc, kv_format_ids,
-                                  library, struct_mismatch)  # fmt: skip
+from kvlab.backends.cpu_kv import GroupView, store, unreadable_reason
+from kvlab.kernels.decode import (Angles, KVStore, KVView, LayerDesc, LayerStep, StepDesc, kv_format_ids, library,
+                                  struct_mismatch)  # fmt: skip
 from kvlab.kernels.policy import ThreadPolicy
 from kvlab.kv.formats import unrotated
-from kvlab.kv.layout import window_start
 
 
 # the parts of a step phase_clock() times, in its tensor's order: decode.c's PHASE_* (step.h), then the head
@@ -127,7 +127,7 @@ class CpuDecodeBackend:
 
         key = id(cache)
         if key not in self._checked:
-            self._checked[key] = _cache_reason(cache) if isinstance(cache, PagedKVCache) else "not a paged cache"
+            self._checked[key] = unreadable_reason(cache) if isinstance(cache, PagedKVCache) else "not a paged cache"
         return self._checked[key]
 
     def applies(self, input_ids: torch.Tensor, cache, meta, policy: ThreadPolicy) -> bool:
@@ -160,7 +160,7 @@ class CpuDecodeBackend:
         x = x.float().contiguous()
         positions = meta.positions[0]  # [B]
         B = x.shape[0]
-        groups = [_GroupView(cache, g, view.groups[0], positions, view.slot_mapping)
+        groups = [GroupView(cache, g, view.groups[0], positions, view.slot_mapping)
                   for g, view in enumerate(meta.kv_groups)]  # fmt: skip
         max_keys = max(v.max_keys for v in groups)
         scratch = torch.empty(self.lib["scratch_floats"](B, *self.geometry, max_keys))
@@ -256,65 +256,9 @@ class _Plan:
                 self.deltanets.append((i, layer.attn.state_index))
                 continue
             kv = layer.attn.layer_index  # its layer among those the cache holds
-            entry.k, entry.v = _store(k_fmt, cache.k_parts[kv]), _store(v_fmt, cache.v_parts[kv])
+            entry.k, entry.v = store(k_fmt, cache.k_parts[kv]), store(v_fmt, cache.v_parts[kv])
             entry.angles = self.ropes.setdefault(layer.attn.rope, len(self.ropes))
             entry.view = self.views.setdefault((cache.placement[kv][0], layer.attn.window), len(self.views))
-
-
-class _GroupView:
-    """One KV group's share of a decode step as decode.c reads it: slots, block tables (from the first
-    block its window reaches), the keys each sequence's table holds, and where each window starts. Also a
-    mixed pass's decode rows (cpu_attention.py)."""
-
-    def __init__(self, cache, g: int, group, positions: torch.Tensor, slot_mapping: torch.Tensor | None = None):
-        """`group`: the step's attention group in KV group g (one new token a sequence); `slot_mapping`: where
-        the step writes each new token's K/V (None: already written, as a mixed pass's decode rows are)."""
-        self.slot_mapping = slot_mapping
-        self.slots = slot_mapping.data_ptr() if slot_mapping is not None else None
-        bs, window = cache.block_size, cache.layout.groups[g].window
-        self.positions = positions
-        if window is None:  # the tables start at key 0
-            self.table_start = torch.zeros_like(positions)  # [B]: the position of each table's first key
-        else:
-            self.table_start = torch.tensor([window_start(window, p) // bs * bs for p in positions.tolist()])
-        self.num_keys = (positions + 1 - self.table_start).contiguous()  # [B]
-        self.tables = group.block_tables.contiguous()
-        self.tables_ptr = self.tables.data_ptr()
-        self.stride, self.num_keys_ptr = self.tables.shape[1], self.num_keys.data_ptr()
-        self.max_keys = int(group.num_keys)
-        self._first: dict[int | None, torch.Tensor] = {}
-
-    def first_key(self, window: int | None) -> int:
-        """A pointer to [B]: each sequence's first key (in its table) that a layer with `window` sees."""
-        if window not in self._first:
-            if window is None:
-                first = torch.zeros_like(self.num_keys)
-            else:
-                first = (self.positions - window + 1 - self.table_start).clamp(min=0).contiguous()
-            self._first[window] = first
-        return self._first[window].data_ptr()
-
-
-def _store(fmt: int, parts: list[torch.Tensor]) -> KVStore:
-    """A layer's storage tensors (codes, then scales where the format has them) as decode.c reads them."""
-    return KVStore(fmt, parts[0].data_ptr(), parts[1].data_ptr() if len(parts) > 1 else None)
-
-
-def _cache_reason(cache) -> str | None:
-    ids, D = kv_format_ids(), cache.head_dim
-    if cache.dtype != torch.float32:
-        return f"the KV cache is read as {str(cache.dtype).removeprefix('torch.')} (the C step reads float32)"
-    if D > MAX_HEAD_DIM or D % 8:
-        return f"head_dim {D} (the C step takes multiples of 8 up to {MAX_HEAD_DIM})"
-    for side, fmt in (("keys", cache.formats.k), ("values", cache.formats.v)):
-        if unrotated(fmt).name not in ids:
-            return f"{side} stored as {fmt.name}, a format decode.c does not read"
-    if not all(t.is_contiguous() and t.device.type == "cpu" for t in cache.tensors()):
-        return "the KV cache's tensors are not contiguous CPU tensors"
-    states = getattr(cache, "states", None)
-    if states is not None and not all(t.dtype == torch.float32 and t.is_contiguous() for t in states.tensors()):
-        return "the recurrent states are not float32 (the C step updates float32 states)"
-    return None
 
 
 def _one_decode_segment(states, tokens: int) -> bool:

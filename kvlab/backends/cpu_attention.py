@@ -10,7 +10,7 @@ decodes it in registers, and splits the (sequence, chunk of keys) pairs over the
 
 The rows' numbers are then the decode step's: a sequence's token gets the same attention whether its
 step was a pure decode step (the C step) or a mixed one. Taken where the C step would read the cache
-(`_cache_reason`: float32 activations, a format decode.c reads, head_dim a multiple of 8 up to 512).
+(`unreadable_reason`: float32 activations, a format decode.c reads, head_dim a multiple of 8 up to 512).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import weakref
 
 import torch
 
-from kvlab.backends.cpu import _cache_reason, _GroupView, _store
+from kvlab.backends.cpu_kv import GroupView, store, unreadable_reason
 from kvlab.kernels.decode import LayerDesc, StepDesc, kv_format_ids, library
 from kvlab.kernels.policy import current
 from kvlab.kv.formats import unrotated
@@ -46,7 +46,7 @@ def attend_rows(cache, layer: int, q: torch.Tensor, group, g: int, positions: to
     sinks = softmax.sinks.float().contiguous() if softmax.sinks is not None else None
     desc = LayerDesc(heads=H, kv_heads=cache.num_kv_heads, head_dim=D, qk_scale=softmax.scale,
                      sinks=sinks.data_ptr() if sinks is not None else None)  # fmt: skip
-    k, v = _store(reads[0], cache.k_parts[layer]), _store(reads[1], cache.v_parts[layer])
+    k, v = store(reads[0], cache.k_parts[layer]), store(reads[1], cache.v_parts[layer])
     rotate = int(cache.formats.rotate_k), int(cache.formats.rotate_v)
     step = StepDesc(B, None, None, k, v, cache.block_size, None, view.tables_ptr, view.stride, view.num_keys_ptr,
                     view.first_key(window), max_keys, None, *rotate)  # fmt: skip
@@ -60,7 +60,7 @@ def attend_rows(cache, layer: int, q: torch.Tensor, group, g: int, positions: to
 # What a pass's layers share, worked out at its first layer: whether the cache can be read, and each KV
 # group's view of the rows (the same group object from layer to layer of one pass)
 _cache_of: tuple = (None, None)  # (a weak reference to the cache, its (k, v) format ids or None)
-_view_of: dict[int, tuple] = {}  # KV group → (its attention group, the cache, its _GroupView, the most keys a row has)
+_view_of: dict[int, tuple] = {}  # KV group → (its attention group, the cache, its GroupView, the most keys a row has)
 
 
 def _reads(cache) -> tuple[int, int] | None:
@@ -69,15 +69,15 @@ def _reads(cache) -> tuple[int, int] | None:
     if _cache_of[0] is None or _cache_of[0]() is not cache:
         ids = kv_format_ids()
         names = unrotated(cache.formats.k).name, unrotated(cache.formats.v).name
-        reads = None if _cache_reason(cache) else (ids[names[0]], ids[names[1]])
+        reads = None if unreadable_reason(cache) else (ids[names[0]], ids[names[1]])
         _cache_of = (weakref.ref(cache), reads)
     return _cache_of[1]
 
 
-def _view(cache, g: int, group, positions: torch.Tensor) -> tuple[_GroupView, int]:
+def _view(cache, g: int, group, positions: torch.Tensor) -> tuple[GroupView, int]:
     """KV group g's view of the rows, and the most keys one of them reads: once a pass (its first layer)."""
     held = _view_of.get(g)
     if held is None or held[0] is not group or held[1]() is not cache:
-        view = _GroupView(cache, g, group, positions)
+        view = GroupView(cache, g, group, positions)
         held = _view_of[g] = (group, weakref.ref(cache), view, int(view.num_keys.max()))
     return held[2], held[3]
