@@ -40,7 +40,7 @@ def attend_rows(cache, layer: int, q: torch.Tensor, group, g: int, positions: to
     reads = _reads(cache)
     if reads is None:
         return None
-    view, max_keys = _view(cache, g, group, positions)
+    view = _view(cache, g, group, positions)
     window = cache.window(layer)
     rows = q.transpose(0, 1).contiguous()  # [B, H, D]: each row's heads side by side
     sinks = softmax.sinks.float().contiguous() if softmax.sinks is not None else None
@@ -49,8 +49,8 @@ def attend_rows(cache, layer: int, q: torch.Tensor, group, g: int, positions: to
     k, v = store(reads[0], cache.k_parts[layer]), store(reads[1], cache.v_parts[layer])
     rotate = int(cache.formats.rotate_k), int(cache.formats.rotate_v)
     step = StepDesc(B, None, None, k, v, cache.block_size, None, view.tables_ptr, view.stride, view.num_keys_ptr,
-                    view.first_key(window), max_keys, None, *rotate)  # fmt: skip
-    scratch = torch.empty(lib["paged_attention_scratch"](B, H, D, max_keys))
+                    view.first_key(window), view.max_keys, None, *rotate)  # fmt: skip
+    scratch = torch.empty(lib["paged_attention_scratch"](B, H, D, view.max_keys))
     out = torch.empty(B, H, D)
     lib["paged_attention"](ctypes.byref(desc), ctypes.byref(step), rows.data_ptr(), H * D, out.data_ptr(),
                            scratch.data_ptr(), current().threads)  # fmt: skip
@@ -60,7 +60,7 @@ def attend_rows(cache, layer: int, q: torch.Tensor, group, g: int, positions: to
 # What a pass's layers share, worked out at its first layer: whether the cache can be read, and each KV
 # group's view of the rows (the same group object from layer to layer of one pass)
 _cache_of: tuple = (None, None)  # (a weak reference to the cache, its (k, v) format ids or None)
-_view_of: dict[int, tuple] = {}  # KV group → (its attention group, the cache, its GroupView, the most keys a row has)
+_view_of: dict[int, tuple] = {}  # KV group → (its attention group, the cache, its GroupView)
 
 
 def _reads(cache) -> tuple[int, int] | None:
@@ -74,10 +74,10 @@ def _reads(cache) -> tuple[int, int] | None:
     return _cache_of[1]
 
 
-def _view(cache, g: int, group, positions: torch.Tensor) -> tuple[GroupView, int]:
-    """KV group g's view of the rows, and the most keys one of them reads: once a pass (its first layer)."""
+def _view(cache, g: int, group, positions: torch.Tensor) -> GroupView:
+    """KV group g's view of the rows: once a pass (its first layer)."""
     held = _view_of.get(g)
     if held is None or held[0] is not group or held[1]() is not cache:
         view = GroupView(cache, g, group, positions)
-        held = _view_of[g] = (group, weakref.ref(cache), view, int(view.num_keys.max()))
-    return held[2], held[3]
+        held = _view_of[g] = (group, weakref.ref(cache), view)
+    return held[2]
