@@ -246,7 +246,11 @@ def _causal_mask(B: int, T: int, L: int, window: int | None = None) -> torch.Ten
 
 @needs_kernel
 @pytest.mark.parametrize("B, H, Hkv, T, L, D", [(8, 9, 3, 64, 64, 64), (2, 14, 2, 40, 300, 64), (1, 4, 4, 70, 70, 128),
-                                                 (3, 6, 2, 5, 9, 32), (2, 4, 1, 33, 33, 80), (1, 2, 1, 3, 3, 256)])  # fmt: skip
+                                                 (3, 6, 2, 5, 9, 32), (2, 4, 1, 33, 33, 80), (1, 2, 1, 3, 3, 256),
+                                                 # tiles seeing up to 256 keys take the short form, later ones the
+                                                 # running softmax: both in one call; at head sizes 128 and 256
+                                                 (1, 4, 2, 300, 300, 64), (2, 6, 3, 20, 250, 128),
+                                                 (1, 2, 1, 17, 240, 256)])  # fmt: skip
 @pytest.mark.parametrize("masked", ["causal", "mask", "window"])
 def test_c_prompt_attention_matches_sdpa(B, H, Hkv, T, L, D, masked):
     """kernels/gemv.py's prompt_attention (prompt_attention.c) against PyTorch's SDPA: grouped query heads, queries
@@ -274,6 +278,24 @@ def test_c_prompt_attention_matches_sdpa(B, H, Hkv, T, L, D, masked):
     with ThreadPolicy(threads=1).applied():
         alone = gemv.prompt_attention(q[-1:], k[-1:], v[-1:], None if mask is None else mask[-1:], 0.125)
     assert torch.equal(alone, got[-1:])
+
+
+@needs_kernel
+@pytest.mark.parametrize("L", [40, 300])
+def test_c_prompt_attention_gives_zeros_to_a_query_that_sees_no_key(L):
+    """A query whose mask row is all False (a padded row) gets zeros, not SDPA's NaN, in both the short form
+    (every key within 256) and the running softmax; its neighbours' rows are SDPA's."""
+    B, H, Hkv, T, D = 1, 4, 2, 20, 64
+    g = torch.Generator().manual_seed(L)
+    q, k, v = torch.randn(B, H, T, D, generator=g), torch.randn(B, Hkv, L, D, generator=g), torch.randn(B, Hkv, L, D, generator=g)
+    mask = _causal_mask(B, T, L)
+    mask[0, 0, 5] = False
+    with ThreadPolicy(threads=2).applied():
+        got = gemv.prompt_attention(q, k, v, mask, 0.125)
+    assert got is not None and torch.equal(got[:, :, 5], torch.zeros(B, H, D))
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True, scale=0.125)
+    keep = torch.arange(T) != 5
+    torch.testing.assert_close(got[:, :, keep], ref[:, :, keep], rtol=0, atol=2e-5)
 
 
 @needs_kernel

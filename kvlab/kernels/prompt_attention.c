@@ -119,18 +119,25 @@ static void prompt_items(void* ctx, uint32_t begin, uint32_t end) {
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VL__)
 // The same attention a tile at a time (AVX-512): one work item per (sequence, kv head, PROMPT_TILE
-// queries), for every query head of the kv head's group. The keys go 16 at a time: the block's rows
-// transposed once (16 keys a register, value by value), so that a query's 16 scores are D FMAs of its
-// values broadcast, with no horizontal sum, SCORED (query, head) pairs sharing each load; then the block's weights
-// into a running softmax (its largest score so far, the sum of weights, the weighted sum rescaled when
-// the largest grows: FlashAttention's) and the values added in registers. A query takes every block up
-// to its own position, in order, whatever else its tile holds: its numbers are its own, as above, but
-// not the per-query form's (another order of sums). SmolLM2's shape (9 heads, 3 kv heads, D 64), one
-// prompt of 1,024 tokens, 2 threads, on the Zen 5 VM: 6.6-7.3 ms a layer against the per-query form's 11.0
-// and PyTorch's SDPA's 10.3-11.3 (8 prompts of 64: 0.33-0.38 ms against 0.94 and 0.55-0.64); its whole
-// 1,024-token prompt pass (int8 activations, bfloat16 KV) 752 -> 603 ms against SDPA.
+// queries), for every query head of the kv head's group, the (query, head) pairs CHUNK_PAIRS at a time.
+// The keys go in chunks of up to CHUNK_KEYS, each block of 16 transposed once (16 keys a register, value
+// by value), so that a pair's 16 scores are D FMAs of its query's values broadcast, with no horizontal
+// sum: SCORED pairs share each loaded value, two blocks share each broadcast. A chunk's scores go into
+// rows of S, then each row's softmax at once (one largest score, one sum), then the weighted values with
+// PV pairs sharing each value row loaded, their sums in registers from the chunk's first key to its last.
+// Between chunks a running softmax (FlashAttention's: the largest score so far, the sum of weights, the
+// output rescaled when the largest grows) — a prompt that sees 256 keys or fewer never needs it. A pair
+// takes every key up to its own position, in order, whatever else its tile holds: its numbers are its
+// own, as above, but not the per-query form's (another order of sums).
+//
+// SmolLM2's shape (9 heads, 3 kv heads, D 64), 2 threads, an Intel Xeon VM: 8 prompts of 64 tokens
+// 0.64-0.86 ms a layer with 16-key blocks and the running softmax after each, 0.37-0.47 ms this way
+// (Qwen2.5-Coder-0.5B's 14 and 2 heads: 1.1-1.26 -> 0.62-0.64); the 512-token prompt pass of a burst of
+// 16 × 64 tokens (int8 activations, bfloat16 KV) spent 22-26 ms of its 170-220 in this attention, now 14.
 #define PROMPT_TILE 64
-#define SCORED 8  // (query, head) pairs scored together: each loaded value of the keys serves 8 FMAs
+#define SCORED 8         // (query, head) pairs scored together: each loaded value of the keys serves 8 FMAs
+#define CHUNK_KEYS 256   // keys whose scores a pair's row of S holds at once
+#define CHUNK_PAIRS 24   // (query, head) pairs whose rows S holds
 
 static inline __m512 exp16(__m512 x) {  // exp8 on both halves: 0 below NEGLIGIBLE (and for -inf)
     const v8f lo = exp8((v8f)_mm512_castps512_ps256(x)), hi = exp8((v8f)_mm512_extractf32x8_ps(x, 1));
@@ -158,124 +165,189 @@ static inline __attribute__((always_inline)) void transpose16(__m512* r) {
     }
 }
 
-// o [16·DV] (with running r) += the block's weights w [16] (scores s, -inf where not allowed) times its
-// value rows: the running softmax's step for one query head
-static inline __attribute__((always_inline)) void block_values(float* o, Running* r, __m512 s, const float* V,
-                                                               int64_t vstride, int nk, const int DV) {
-    const float top = _mm512_reduce_max_ps(s);
-    if (top == -INFINITY) return;  // no key of the block for this query
-    const float m = top > r->m ? top : r->m;
-    const __m512 w = exp16(_mm512_sub_ps(s, _mm512_set1_ps(m)));
-    __m512 acc[16];
-    if (m > r->m && r->m != -INFINITY) {  // the sums so far, rescaled to the new largest score
-        const float c = expf(r->m - m);
-        r->l *= c;
-        for (int i = 0; i < DV; i++) acc[i] = _mm512_mul_ps(_mm512_loadu_ps(o + 16 * i), _mm512_set1_ps(c));
-    } else {
-        for (int i = 0; i < DV; i++) acc[i] = _mm512_loadu_ps(o + 16 * i);
-    }
-    r->m = m;
-    r->l += _mm512_reduce_add_ps(w);
-    float wj[16];
-    _mm512_storeu_ps(wj, w);
-    __m512 odd[16];  // odd keys' sums apart: two chains of FMAs per register of o, not one
-    for (int i = 0; i < DV; i++) odd[i] = _mm512_setzero_ps();
-    int j = 0;
-    for (; j + 2 <= nk; j += 2) {
-        const __m512 b0 = _mm512_set1_ps(wj[j]), b1 = _mm512_set1_ps(wj[j + 1]);
-        for (int i = 0; i < DV; i++) {
-            acc[i] = _mm512_fmadd_ps(b0, _mm512_loadu_ps(V + j * vstride + 16 * i), acc[i]);
-            odd[i] = _mm512_fmadd_ps(b1, _mm512_loadu_ps(V + (j + 1) * vstride + 16 * i), odd[i]);
+// Keys j0 .. j0 + 16·blocks − 1 (at most CHUNK_KEYS; the last block's rows past n zeros) into kt: block by
+// block, [D][16], value d of the block's 16 keys
+static inline __attribute__((always_inline)) void transposed_keys(float* kt, const float* K, int64_t kstride, int64_t j0,
+                                                                  int64_t n, int64_t D) {
+    for (int64_t b0 = 0; b0 < n; b0 += 16) {
+        float* kb = kt + b0 * D;
+        const int nk = n - b0 < 16 ? (int)(n - b0) : 16;
+        if (nk == 16) {
+            for (int64_t c0 = 0; c0 < D; c0 += 16) {
+                __m512 r[16];
+                for (int k = 0; k < 16; k++) r[k] = _mm512_loadu_ps(K + (j0 + b0 + k) * kstride + c0);
+                transpose16(r);
+                for (int c = 0; c < 16; c++) _mm512_store_ps(kb + (c0 + c) * 16, r[c]);
+            }
+        } else {
+            for (int64_t d = 0; d < D; d++)
+                for (int r = 0; r < 16; r++) kb[d * 16 + r] = r < nk ? K[(j0 + b0 + r) * kstride + d] : 0.0f;
         }
     }
-    if (j < nk)
-        for (int i = 0; i < DV; i++) acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(wj[j]), _mm512_loadu_ps(V + j * vstride + 16 * i), acc[i]);
-    for (int i = 0; i < DV; i++) _mm512_storeu_ps(o + 16 * i, _mm512_add_ps(acc[i], odd[i]));
 }
 
-static inline __attribute__((always_inline)) void prompt_tile(const Prompt* p, uint32_t item, float* kt, Running* run,
+// n pairs (1 .. 6) of weight rows w (stride CHUNK_KEYS, zeros past each pair's keys) times the value rows
+// 0 .. keys − 1: o[k] = (first ? 0 : o[k] · keep[k]) + the sums, then · inv[k] where last
+static inline __attribute__((always_inline)) void pair_values(float* const* o, const float* w, const float* keep,
+                                                              const float* inv, const float* V, int64_t vstride,
+                                                              int64_t keys, int first, int last, const int n,
                                                               const int DV) {
+    __m512 acc[6][16];  // n · DV of them used: 24, 24 or 16 registers
+    for (int k = 0; k < n; k++)
+        for (int i = 0; i < DV; i++) acc[k][i] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < keys; j++) {
+        __m512 v[16];
+        for (int i = 0; i < DV; i++) v[i] = _mm512_loadu_ps(V + j * vstride + 16 * i);
+        for (int k = 0; k < n; k++) {
+            const __m512 b = _mm512_set1_ps(w[k * CHUNK_KEYS + j]);
+            for (int i = 0; i < DV; i++) acc[k][i] = _mm512_fmadd_ps(b, v[i], acc[k][i]);
+        }
+    }
+    for (int k = 0; k < n; k++)
+        for (int i = 0; i < DV; i++) {
+            __m512 sum = acc[k][i];
+            if (!first) sum = _mm512_fmadd_ps(_mm512_loadu_ps(o[k] + 16 * i), _mm512_set1_ps(keep[k]), sum);
+            if (last) sum = _mm512_mul_ps(sum, _mm512_set1_ps(inv[k]));
+            _mm512_storeu_ps(o[k] + 16 * i, sum);
+        }
+}
+
+static inline __attribute__((always_inline)) void prompt_tile(const Prompt* p, uint32_t item, float* kt, float* S,
+                                                              Running* run, const int DV) {
     const int64_t D = 16 * DV, L = p->L, T = p->T, tiles = (T + PROMPT_TILE - 1) / PROMPT_TILE;
     const int64_t group = p->H / p->Hkv, tile = item % tiles, g = item / tiles % p->Hkv, b = item / tiles / p->Hkv;
     const int64_t t0 = tile * PROMPT_TILE, t1 = t0 + PROMPT_TILE < T ? t0 + PROMPT_TILE : T, h0 = g * group;
     const float* K = p->k + b * p->ks[0] + g * p->ks[1];
     const float* V = p->v + b * p->vs[0] + g * p->vs[1];
     const int64_t rows = (t1 - t0) * group;  // (query, head) pairs: pair i is query t0 + i / group, head h0 + i % group
-    for (int64_t i = 0; i < rows; i++) {
-        run[i] = (Running){-INFINITY, 0.0f};
-        memset(out_row(p, b, h0 + i % group, t0 + i / group), 0, D * sizeof(float));
-    }
     const int64_t nmax = t1 - 1 + L - T + 1 < L ? t1 - 1 + L - T + 1 : L;  // keys the tile's last query sees
     const __m512 scale = _mm512_set1_ps(p->scale), minus_inf = _mm512_set1_ps(-INFINITY);
-    for (int64_t j0 = 0; j0 < nmax; j0 += 16) {
-        const int nk = nmax - j0 < 16 ? (int)(nmax - j0) : 16;
-        if (nk == 16) {  // kt [D][16]: value d of the block's keys
-            for (int64_t c0 = 0; c0 < D; c0 += 16) {
-                __m512 r[16];
-                for (int k = 0; k < 16; k++) r[k] = _mm512_loadu_ps(K + (j0 + k) * p->ks[2] + c0);
-                transpose16(r);
-                for (int c = 0; c < 16; c++) _mm512_store_ps(kt + (c0 + c) * 16, r[c]);
+    for (int64_t i = 0; i < rows; i++) run[i] = (Running){-INFINITY, 0.0f};
+    for (int64_t c0 = 0; c0 < nmax; c0 += CHUNK_KEYS) {
+        const int64_t cn = nmax - c0 < CHUNK_KEYS ? nmax - c0 : CHUNK_KEYS;
+        const int first = c0 == 0, last = c0 + cn == nmax;
+        transposed_keys(kt, K, p->ks[2], c0, cn, D);
+        for (int64_t r0 = 0; r0 < rows; r0 += CHUNK_PAIRS) {
+            const int np = rows - r0 < CHUNK_PAIRS ? (int)(rows - r0) : CHUNK_PAIRS;
+            int64_t seen[CHUNK_PAIRS];  // the chunk's keys a pair may see: up to its query's position
+            int64_t blocks = 0;         // blocks of 16 keys the most-seeing of them sees
+            for (int k = 0; k < np; k++) {
+                const int64_t t = t0 + (r0 + k) / group, n = (t + L - T + 1 < L ? t + L - T + 1 : L) - c0;
+                seen[k] = n < 0 ? 0 : n < cn ? n : cn;
+                blocks = (seen[k] + 15) / 16 > blocks ? (seen[k] + 15) / 16 : blocks;
             }
-        } else {
-            for (int64_t d = 0; d < D; d++)
-                for (int r = 0; r < 16; r++) kt[d * 16 + r] = r < nk ? K[(j0 + r) * p->ks[2] + d] : 0.0f;
-        }
-        for (int64_t i = 0; i < rows;) {
-            // up to SCORED (query, head) pairs whose queries see this block, their scores together
-            int64_t pair[SCORED];
-            int n = 0;
-            for (; i < rows && n < SCORED; i++) {
-                const int64_t t = t0 + i / group;
-                if (j0 <= t + L - T) pair[n++] = i;
-            }
-            if (!n) break;
-            const float* qr[SCORED];
-            for (int k = 0; k < SCORED; k++) {
-                const int64_t i2 = pair[k < n ? k : 0], t = t0 + i2 / group, h = h0 + i2 % group;
-                qr[k] = p->q + b * p->qs[0] + h * p->qs[1] + t * p->qs[2];
-            }
-            __m512 s[SCORED];
-            for (int k = 0; k < SCORED; k++) s[k] = _mm512_setzero_ps();
-            for (int64_t d = 0; d < D; d++) {
-                const __m512 kd = _mm512_load_ps(kt + d * 16);
-                for (int k = 0; k < SCORED; k++) s[k] = _mm512_fmadd_ps(_mm512_set1_ps(qr[k][d]), kd, s[k]);
-            }
-            for (int k = 0; k < n; k++) {
-                const int64_t t = t0 + pair[k] / group, h = h0 + pair[k] % group, last = t + L - T - j0;
-                __mmask16 allowed = last >= 15 ? 0xFFFF : (__mmask16)((1u << (last + 1)) - 1);
-                allowed &= nk == 16 ? 0xFFFF : (__mmask16)((1u << nk) - 1);
-                if (p->mask) {
-                    const uint8_t* m = p->mask + b * p->ms[0] + t * p->ms[1] + j0;
-                    uint8_t bytes[16] = {0};
-                    memcpy(bytes, m, nk);
-                    allowed &= _mm_test_epi8_mask(_mm_loadu_si128((const __m128i*)bytes), _mm_set1_epi8((char)0xFF));
+            // the scores, SCORED pairs at a time against two blocks, masked, into S's rows
+            for (int64_t j0 = 0; j0 < blocks * 16; j0 += 32) {
+                const float* kb = kt + j0 * D;
+                const int two = j0 + 16 < blocks * 16;
+                for (int k0 = 0; k0 < np;) {
+                    int pair[SCORED], n = 0;
+                    for (; k0 < np && n < SCORED; k0++)
+                        if (j0 < seen[k0]) pair[n++] = k0;
+                    if (!n) break;
+                    const float* qr[SCORED];
+                    for (int k = 0; k < SCORED; k++) {
+                        const int64_t i = r0 + pair[k < n ? k : 0], t = t0 + i / group, h = h0 + i % group;
+                        qr[k] = p->q + b * p->qs[0] + h * p->qs[1] + t * p->qs[2];
+                    }
+                    __m512 s[2][SCORED];
+                    for (int k = 0; k < SCORED; k++) s[0][k] = s[1][k] = _mm512_setzero_ps();
+                    if (two)
+                        for (int64_t d = 0; d < D; d++) {
+                            const __m512 k0d = _mm512_load_ps(kb + d * 16), k1d = _mm512_load_ps(kb + (D + d) * 16);
+                            for (int k = 0; k < SCORED; k++) {
+                                const __m512 qd = _mm512_set1_ps(qr[k][d]);
+                                s[0][k] = _mm512_fmadd_ps(qd, k0d, s[0][k]), s[1][k] = _mm512_fmadd_ps(qd, k1d, s[1][k]);
+                            }
+                        }
+                    else
+                        for (int64_t d = 0; d < D; d++) {
+                            const __m512 kd = _mm512_load_ps(kb + d * 16);
+                            for (int k = 0; k < SCORED; k++) s[0][k] = _mm512_fmadd_ps(_mm512_set1_ps(qr[k][d]), kd, s[0][k]);
+                        }
+                    for (int k = 0; k < n; k++)
+                        for (int half = 0; half <= two; half++) {
+                            const int64_t j = j0 + 16 * half, over = seen[pair[k]] - 1 - j;  // its last key, in the block
+                            if (over < 0) continue;  // a block past the pair's keys: zeros below
+                            __mmask16 allowed = over >= 15 ? 0xFFFF : (__mmask16)((1u << (over + 1)) - 1);
+                            if (p->mask) {
+                                const int64_t t = t0 + (r0 + pair[k]) / group;
+                                uint8_t bytes[16] = {0};
+                                memcpy(bytes, p->mask + b * p->ms[0] + t * p->ms[1] + c0 + j, over >= 15 ? 16 : (size_t)(over + 1));
+                                allowed &= _mm_test_epi8_mask(_mm_loadu_si128((const __m128i*)bytes), _mm_set1_epi8((char)0xFF));
+                            }
+                            _mm512_storeu_ps(S + pair[k] * CHUNK_KEYS + j,
+                                             _mm512_mask_mov_ps(minus_inf, allowed, _mm512_mul_ps(s[half][k], scale)));
+                        }
                 }
-                const __m512 sc = _mm512_mask_mov_ps(minus_inf, allowed, _mm512_mul_ps(s[k], scale));
-                block_values(out_row(p, b, h, t), run + pair[k], sc, V + j0 * p->vs[2], p->vs[2], nk, DV);
+            }
+            // each row's softmax: the largest score so far, the weights e^(s − m) in place (zeros up to the
+            // chunk's last block where the row sees none), what the output so far keeps (e^(m_old − m)),
+            // and at the last chunk the reciprocal of the sum (0: no key to look at, zeros out)
+            float keep[CHUNK_PAIRS], inv[CHUNK_PAIRS];
+            for (int k = 0; k < np; k++) {
+                float* row = S + k * CHUNK_KEYS;
+                Running* r = run + r0 + k;
+                const int64_t nb = (seen[k] + 15) / 16;
+                __m512 top = minus_inf, sum = _mm512_setzero_ps();
+                for (int64_t j = 0; j < nb; j++) top = _mm512_max_ps(top, _mm512_loadu_ps(row + 16 * j));
+                const float chunk_top = nb ? _mm512_reduce_max_ps(top) : -INFINITY;
+                const float m = chunk_top > r->m ? chunk_top : r->m;
+                if (m == -INFINITY) {
+                    for (int64_t j = 0; j < nb; j++) _mm512_storeu_ps(row + 16 * j, sum);
+                } else {
+                    for (int64_t j = 0; j < nb; j++) {
+                        const __m512 w = exp16(_mm512_sub_ps(_mm512_loadu_ps(row + 16 * j), _mm512_set1_ps(m)));
+                        _mm512_storeu_ps(row + 16 * j, w);
+                        sum = _mm512_add_ps(sum, w);
+                    }
+                }
+                for (int64_t j = nb; j < blocks; j++) _mm512_storeu_ps(row + 16 * j, _mm512_setzero_ps());
+                keep[k] = r->m == -INFINITY ? 0.0f : r->m == m ? 1.0f : expf(r->m - m);
+                r->l = r->l * keep[k] + _mm512_reduce_add_ps(sum);
+                r->m = m;
+                inv[k] = r->l > 0.0f ? 1.0f / r->l : 0.0f;
+            }
+            // the weighted values, PV pairs at a time over the keys the most-seeing of them sees
+            const int PV = DV == 4 ? 6 : DV == 8 ? 3 : 1;
+            for (int k0 = 0; k0 < np; k0 += PV) {
+                const int n = np - k0 < PV ? np - k0 : PV;
+                float* o[6];
+                int64_t keys = 0;
+                for (int k = 0; k < n; k++) {
+                    const int64_t i = r0 + k0 + k;
+                    o[k] = out_row(p, b, h0 + i % group, t0 + i / group);
+                    keys = seen[k0 + k] > keys ? seen[k0 + k] : keys;
+                }
+                const float* w = S + k0 * CHUNK_KEYS;
+                const float* Vc = V + c0 * p->vs[2];
+                if (DV == 4 && n == 6) pair_values(o, w, keep + k0, inv + k0, Vc, p->vs[2], keys, first, last, 6, 4);
+                else if (DV == 8 && n == 3) pair_values(o, w, keep + k0, inv + k0, Vc, p->vs[2], keys, first, last, 3, 8);
+                else
+                    for (int k = 0; k < n; k++)
+                        pair_values(o + k, w + k * CHUNK_KEYS, keep + k0 + k, inv + k0 + k, Vc, p->vs[2], keys, first,
+                                    last, 1, DV);
             }
         }
-    }
-    for (int64_t i = 0; i < rows; i++) {
-        float* o = out_row(p, b, h0 + i % group, t0 + i / group);
-        const float inv = run[i].l > 0.0f ? 1.0f / run[i].l : 0.0f;  // no key to look at: zeros
-        for (int64_t d = 0; d < D; d++) o[d] *= inv;
     }
 }
 
 static void prompt_tiles(void* ctx, uint32_t begin, uint32_t end) {
     const Prompt* p = ctx;
-    float* kt = aligned_alloc(64, (size_t)p->D * 16 * sizeof(float));
+    float* kt = aligned_alloc(64, (size_t)p->D * CHUNK_KEYS * sizeof(float));
+    float* S = aligned_alloc(64, (size_t)CHUNK_PAIRS * CHUNK_KEYS * sizeof(float));
     Running* run = malloc((size_t)PROMPT_TILE * (p->H / p->Hkv) * sizeof(Running));
-    if (!kt || !run) {
+    if (!kt || !S || !run) {
         ((Prompt*)ctx)->failed = 1;
     } else {
         for (uint32_t item = begin; item < end; item++) {
-            if (p->D == 64) prompt_tile(p, item, kt, run, 4);
-            else if (p->D == 128) prompt_tile(p, item, kt, run, 8);
-            else prompt_tile(p, item, kt, run, 16);
+            if (p->D == 64) prompt_tile(p, item, kt, S, run, 4);
+            else if (p->D == 128) prompt_tile(p, item, kt, S, run, 8);
+            else prompt_tile(p, item, kt, S, run, 16);
         }
     }
     free(kt);
+    free(S);
     free(run);
 }
 #define PROMPT_TILES 1
