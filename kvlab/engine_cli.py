@@ -47,8 +47,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-memory-fraction", type=float,
                    help="share of free memory for the KV pool when --kv-memory is not given (default 0.2)")  # fmt: skip
     g.add_argument("--max-num-seqs", type=int, default=32, help="requests running at once (default 32)")
-    g.add_argument("--max-batched-tokens", "--max-num-batched-tokens", dest="max_batched_tokens", type=int, default=512,
-                   help="tokens through the model per step; longer prompts are prefilled in chunks (default 512; "
+    g.add_argument("--max-batched-tokens", "--max-num-batched-tokens", dest="max_batched_tokens", type=int, default=1024,
+                   help="tokens through the model per step; longer prompts are prefilled in chunks (default 1024; "
                         "vLLM's name also works)")  # fmt: skip
     g.add_argument("--no-prefix-caching", action="store_true", help="do not reuse K/V of earlier prompts")
     g.add_argument("--prompt-cache-dir", metavar="DIR",

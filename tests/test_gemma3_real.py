@@ -14,7 +14,7 @@ from kvlab.memory import kv_bytes
 
 pytestmark = pytest.mark.real
 
-# the last is about 900 tokens: its window slides, and the default 512-token budget chunks its prefill
+# the last is about 900 tokens: its window slides, and a 512-token budget (`ours`) chunks its prefill
 LONG = " ".join(f"Note {i}: the river passes the mill, and the baker on {i % 7} Elm Street sells rye bread."
                for i in range(40))  # fmt: skip
 RAW_PROMPTS = ["The capital of France is", "def fibonacci(n):\n    ", "Once upon a time, in a small village,",
@@ -29,7 +29,7 @@ def path(real_model):
 
 @pytest.fixture(scope="module")
 def ours(path):
-    return LLM("gemma3-270m")
+    return LLM("gemma3-270m", max_num_batched_tokens=512)
 
 
 @pytest.fixture(scope="module")

@@ -66,7 +66,7 @@ class StepResult:
 class SchedulerConfig:
     max_model_len: int
     max_num_seqs: int = 32  # requests running at once
-    max_num_batched_tokens: int = 512  # tokens through the model in one step
+    max_num_batched_tokens: int = 1024  # tokens through the model in one step (EngineConfig's default)
     recompute_every_step: bool = False  # no KV cache: forget a request's tokens after each sample
     # share seats and prompt tokens between clients (Request.client_id; fair.py). False: first come, first served
     fair_share: bool = True
