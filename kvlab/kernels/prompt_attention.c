@@ -130,10 +130,11 @@ static void prompt_items(void* ctx, uint32_t begin, uint32_t end) {
 // takes every key up to its own position, in order, whatever else its tile holds: its numbers are its
 // own, as above, but not the per-query form's (another order of sums).
 //
-// SmolLM2's shape (9 heads, 3 kv heads, D 64), 2 threads, an Intel Xeon VM: 8 prompts of 64 tokens
-// 0.64-0.86 ms a layer with 16-key blocks and the running softmax after each, 0.37-0.47 ms this way
-// (Qwen2.5-Coder-0.5B's 14 and 2 heads: 1.1-1.26 -> 0.62-0.64); the 512-token prompt pass of a burst of
-// 16 × 64 tokens (int8 activations, bfloat16 KV) spent 22-26 ms of its 170-220 in this attention, now 14.
+// SmolLM2's shape (9 heads, 3 kv heads, D 64), 2 threads, an Intel Xeon VM, the two forms alternated: 8
+// prompts of 64 tokens 0.78-1.05 ms a layer with 16-key blocks and the running softmax after each,
+// 0.42-0.61 ms this way (Qwen2.5-Coder-0.5B's 14 and 2 heads: 1.10-1.26 -> 0.64-0.84; one 512-token prompt
+// 2.8-4.3 -> 1.8-2.3); the 512-token prompt pass of a burst of 16 × 64 tokens (int8 activations, bfloat16
+// KV) spent 22-26 ms of its 160-220 in this attention, now 14.
 #define PROMPT_TILE 64
 #define SCORED 8         // (query, head) pairs scored together: each loaded value of the keys serves 8 FMAs
 #define CHUNK_KEYS 256   // keys whose scores a pair's row of S holds at once
