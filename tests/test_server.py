@@ -246,6 +246,78 @@ def test_concurrent_requests_are_batched(server):
     wait_idle(llm)
 
 
+def test_every_post_counts_as_arriving_only_until_it_queued_or_ended(server):
+    """The Arrivals middleware: nothing is left counted after generation requests, a refused one, a GET."""
+    _, llm, engine = server
+    wait_idle(llm)
+    body = {"model": "tiny", "prompt": "hi"}
+    assert http(server, "POST", "/v1/completions", json={**body, "max_tokens": 2}).status_code == 200
+    assert http(server, "POST", "/v1/completions", json={**body, "max_tokens": -1}).status_code == 400
+    with http_stream(server, {"model": "tiny", "prompt": "hi", "max_tokens": 3, "stream": True}) as r:
+        assert engine._arriving == 0  # queued: counted no more, while its answer still streams
+        r.read()
+    assert http(server, "GET", "/v1/models").status_code == 200
+    assert engine._arriving == 0
+
+
+def http_stream(server, body):
+    return httpx.stream("POST", server[0] + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"}, json=body,
+                        timeout=30)  # fmt: skip
+
+
+def _first_step_prompts(llm) -> list[int]:
+    """Wrap the engine's scheduler: the prompts of each step that has any, appended to the list returned."""
+    sizes, schedule = [], llm.engine.scheduler.schedule
+
+    def counted():
+        plan = schedule()
+        prompts = sum(1 for c in plan.chunks if not c.is_decode)
+        if prompts:
+            sizes.append(prompts)
+        return plan
+
+    llm.engine.scheduler.schedule = counted
+    return sizes
+
+
+def test_a_burst_still_being_read_starts_in_one_step_and_a_lone_request_does_not_wait(tiny_chat_model):
+    """Woken from idle by one request, the engine thread waits for the requests the server is still reading
+    (here: one that queues its prompt 0.3 s later) and runs both prompts in one step; a request with
+    nothing arriving beside it starts at once (burst_wait_s is long here: waiting for it would show)."""
+    import asyncio
+
+    from kvlab.output.result import RequestOutput
+    from kvlab.server.async_engine import AsyncEngine
+
+    llm = LLM(tiny_chat_model, max_model_len=128)
+    engine = AsyncEngine(llm.engine)
+    engine.burst_wait_s = 30.0
+    prompts = _first_step_prompts(llm)
+    engine.start()
+
+    async def request(rid: str, delay: float):
+        ids = [ord(rid) + k for k in range(6)]  # prompts that share no prefix
+        with engine.arriving():
+            await asyncio.sleep(delay)
+            queue = engine.submit(rid, ids, _greedy(3), RequestOutput(prompt=None, prompt_token_ids=ids))
+            engine.arrived()
+            while not (item := await queue.get()).finished:
+                pass
+        return item
+
+    async def burst():
+        return await asyncio.gather(request("a", 0.0), request("b", 0.3))
+
+    try:
+        assert all(item.finished and item.error is None for item in asyncio.run(burst()))
+        assert prompts[0] == 2  # a's prompt waited for b's
+        started = time.monotonic()
+        assert asyncio.run(request("c", 0.0)).error is None
+        assert time.monotonic() - started < 10 and prompts[1:] == [1]  # alone: no wait for burst_wait_s
+    finally:
+        engine.shutdown()
+
+
 def test_a_steps_outputs_reach_the_event_loop_in_one_wake_up_in_order():
     """The engine thread hands a step's outputs to each listening loop in one call, each request's in order;
     a finished request stops listening, and an unknown one is skipped."""

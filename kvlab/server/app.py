@@ -41,7 +41,7 @@ from kvlab.sampling.params import StructuredOutputs
 from kvlab.server import responses
 from kvlab.server.access_log import log_request
 from kvlab.server.admission import Admission, Cost
-from kvlab.server.async_engine import AsyncEngine, EngineDead
+from kvlab.server.async_engine import Arrivals, AsyncEngine, EngineDead
 from kvlab.server.body import parse_json, read_body
 from kvlab.server.generation import Generation
 from kvlab.server.guard import Guard, GuardConfig
@@ -118,6 +118,7 @@ def create_app(llm, engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     app.add_middleware(Guard, config=guard)
     routes = RouteCounts()  # requests by route and status, for /metrics
     app.add_middleware(RouteCounts.Middleware, counts=routes)
+    app.add_middleware(Arrivals, engine=engine)  # requests being read: a burst starts in one step
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, e: APIError):

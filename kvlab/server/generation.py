@@ -43,6 +43,8 @@ class Generation:
         except BaseException:
             run.abort()
             raise
+        finally:
+            engine.arrived()  # every prompt queued (or none): the engine thread need not wait for this request
         return run
 
     def abort(self) -> None:
