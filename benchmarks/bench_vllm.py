@@ -269,6 +269,17 @@ def load_average() -> str:
     return "/".join(f"{x:.2f}" for x in os.getloadavg())
 
 
+def vector_units() -> str:
+    """The G MAC/s loops of float32 FMAs reach right now on one thread and on two (kvlab's probe,
+    kvlab/kernels/probe.py), "one/two": what the cores' vector units give this run. Two threads reaching
+    about one's rate mean the vCPUs share a core's units this minute (a neighbour's work); both low, that
+    the machine runs slow. Runs of different minutes compare only through their ratios."""
+    from kvlab.kernels.probe import mac_rate
+
+    one, two = mac_rate(1, 0.2), mac_rate(2, 0.2)
+    return "–" if one is None or two is None else f"{one:.0f}/{two:.0f}"
+
+
 def cpu_busy(window_s: float) -> float:
     """The share of the machine's CPU time that was busy over the next window_s seconds (/proc/stat)."""
 
@@ -297,7 +308,7 @@ def bench_model(model: str, args, log_dir: Path) -> dict:
     name = model  # both servers answer to the registry name
     export_dir = export(model, args.export_root / f"{model}-bf16")
     shapes = [shape(s) for s in args.shapes]
-    entry: dict = {"export": str(export_dir), "load_before": load_average(), "runs": []}
+    entry: dict = {"export": str(export_dir), "load_before": load_average(), "units_before": vector_units(), "runs": []}
     servers = {"vllm": start_vllm(export_dir, name, args, log_dir),
                "kvlab": start_kvlab(model, name, args, log_dir, max(n for n, _, _ in shapes))}  # fmt: skip
     try:
@@ -316,22 +327,25 @@ def bench_model(model: str, args, log_dir: Path) -> dict:
                     seed = 1000 * (r + 1) + si  # fresh prompts every round: no prefix-cache reuse
                     for engine in order:
                         url = servers[engine].url
+                        units = vector_units()  # before settling: the probe's own work is over when the run starts
                         waited = settle() if Path("/proc/stat").exists() else 0.0
                         t = time.perf_counter()
                         res = (kvlab_client(url, name, n, n_in, n_out, seed) if client == "kvlab"
                                else vllm_client(url, name, n, n_in, n_out, seed, args, export_dir))  # fmt: skip
                         res.update(round=r, shape=f"{n}x{n_in}x{n_out}", client=client, engine=engine,
-                                   wall_s=time.perf_counter() - t, load=load_average(), settled_s=waited)  # fmt: skip
+                                   wall_s=time.perf_counter() - t, load=load_average(), settled_s=waited,
+                                   units=units)  # fmt: skip
                         entry["runs"].append(res)
                         print(f"  {model} round {r + 1} {n}×({n_in} in, {n_out} out) {client} client → {engine:5s}: "
                               f"{res['output_tok_s']:7.1f} output tok/s, TTFT p50 {fmt(res['ttft_p50_ms'])} ms, "
-                              f"TPOT p50 {fmt(res['tpot_p50_ms'])} ms (load {res['load']})", flush=True)  # fmt: skip
+                              f"TPOT p50 {fmt(res['tpot_p50_ms'])} ms (load {res['load']}, FMA G MAC/s {units})",
+                              flush=True)  # fmt: skip
                         if res["completed"] < n:
                             print(f"    warning: {res['completed']} of {n} requests completed", flush=True)
     finally:
         for s in servers.values():
             s.stop()
-    entry["load_after"] = load_average()
+    entry["load_after"], entry["units_after"] = load_average(), vector_units()
     entry["summary"] = summarize(entry["runs"])
     return entry
 
@@ -358,7 +372,8 @@ def print_table(results: dict) -> None:
           "ratio = kvlab ÷ vLLM, round by round (for TTFT and TPOT, below 1 is kvlab faster)")  # fmt: skip
     for model, entry in results["models"].items():
         print(f"\n{model}  (server ready: kvlab {entry['ready_s']['kvlab']:.0f} s, vLLM {entry['ready_s']['vllm']:.0f} s; "
-              f"load before {entry['load_before']}, after {entry['load_after']})")  # fmt: skip
+              f"load before {entry['load_before']}, after {entry['load_after']}; float32 FMA G MAC/s on one/two "
+              f"threads before {entry['units_before']}, after {entry['units_after']})")  # fmt: skip
         print(f"  {'workload, client':28s} {'metric':14s} {'kvlab':>22s} {'vLLM':>22s} {'kvlab ÷ vLLM':>20s}")
         for key, cell in entry["summary"].items():
             n, client = key.split()

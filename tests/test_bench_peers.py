@@ -33,6 +33,18 @@ def test_percentiles_are_numpys_linear_ones(bench_vllm):
     assert bench_vllm.percentile([], 50) is None and bench_vllm.percentile([4.0], 99) == 4.0
 
 
+def test_each_run_says_what_the_vector_units_gave_then(bench_vllm):
+    """The probe's G MAC/s on one thread and on two, as the run lines print them ("–" without kernels)."""
+    from kvlab.kernels.probe import mac_rate
+
+    units = bench_vllm.vector_units()
+    if mac_rate(1, 0.01) is None:
+        assert units == "–"
+        return
+    one, two = (float(x) for x in units.split("/"))
+    assert one > 0 and two > 0
+
+
 def test_shapes_parse(bench_vllm):
     assert [bench_vllm.shape(s) for s in bench_vllm.SHAPES] == [(16, 64, 64), (64, 256, 128)]
 
