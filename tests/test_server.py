@@ -265,7 +265,7 @@ def http_stream(server, body):
                         timeout=30)  # fmt: skip
 
 
-def _first_step_prompts(llm) -> list[int]:
+def _prompts_per_step(llm) -> list[int]:
     """Wrap the engine's scheduler: the prompts of each step that has any, appended to the list returned."""
     sizes, schedule = [], llm.engine.scheduler.schedule
 
@@ -292,7 +292,7 @@ def test_a_burst_still_being_read_starts_in_one_step_and_a_lone_request_does_not
     llm = LLM(tiny_chat_model, max_model_len=128)
     engine = AsyncEngine(llm.engine)
     engine.burst_wait_s = 30.0
-    prompts = _first_step_prompts(llm)
+    prompts = _prompts_per_step(llm)
     engine.start()
 
     async def request(rid: str, delay: float):
