@@ -1210,7 +1210,12 @@ static void exact_item(const ExactProduct* p, const uint8_t* item, int64_t pass,
 
 // Up to XT_PAIR rows: two items at a time, their chains alternating on the tiles and each group's three
 // parts of the activations loaded once for both (one item at a time, a decode step's one row left the tiles
-// waiting on one chain: SmolLM2's Q4_1 products at one row, one thread, 41 -> 31 ns per 16 × 32 weights)
+// waiting on one chain: SmolLM2's Q4_1 products at one row, one thread, 41 -> 31 ns per 16 × 32 weights).
+// Up to XT_M rows too where the sub-blocks are of 32 (PR = XT_M): at 16 rows the three parts are 3 KB a
+// group, from L2, against the codes' 1 KB, and a pair halves them; the 32 sums then outnumber the
+// registers and some wait in L1. On an Intel Xeon VM (2 threads, bfloat16 KV, 16-sequence decode steps,
+// alternated in one process): Qwen2.5-Coder-0.5B 96.6 -> 86.1 and 83.5 -> 75.2 ms, SmolLM2 24.7 -> 23.6
+// and 24.7 -> 24.6. Q6_K's sub-blocks of 16 lost (2 threads, 16 rows: 136 -> 150 ns a group).
 #define XT_PAIR 8
 // How far on the pairs ask for the matrix, into L2 (SmolLM2's 30 layers at one row, 2 threads: 4 KB on
 // 7.87 ms, 32 KB 6.38, against the exact blocks' 6.91; later, with its LM head, 8, 32 and 128 KB alike)
@@ -1218,13 +1223,13 @@ static void exact_item(const ExactProduct* p, const uint8_t* item, int64_t pass,
 static inline __attribute__((always_inline)) void exact_rows2(const ExactProduct* p, const uint8_t* item0,
                                                               const uint8_t* item1, int rows, const int NIB,
                                                               const int NW, const int MIN, const int KQ,
-                                                              __m512* acc0, __m512* acc1) {
+                                                              const int PR, __m512* acc0, __m512* acc1) {
     const int G = GROUPS_PER_SUPER(NIB, NW, KQ), HB = HEAD_BYTES(KQ, G, MIN), CB = CODE_BYTES(NIB, NW);
     const int S = NIB ? 32 : NW * 4;
     uint32_t codes[2][2][16 * LANES] __attribute__((aligned(64)));  // [turn][item]
     float sums[2][XT_M * LANES] __attribute__((aligned(64)));
-    __m512 a[2][XT_PAIR];
-    for (int i = 0; i < XT_PAIR; i++) a[0][i] = a[1][i] = _mm512_setzero_ps();
+    __m512 a[2][XT_M];
+    for (int i = 0; i < PR; i++) a[0][i] = a[1][i] = _mm512_setzero_ps();
     const uint8_t* items[2] = {item0, item1};
 #define PAIR_CODES(j, b) (items[j] + (b) / G * (HB + G * CB) + HB + ((b) % G) * CB)
     for (int j = 0; j < 2; j++) exact_codes(PAIR_CODES(j, 0), NIB, NW, MIN, codes[0][j]);
@@ -1256,8 +1261,8 @@ static inline __attribute__((always_inline)) void exact_rows2(const ExactProduct
             const uint8_t* head = items[j] + b / G * (HB + G * CB);
             __m512 min;
             const __m512 scale = group_scales(head, (int)(b % G), G, MIN, KQ, &min);
-#pragma GCC unroll 8
-            for (int i = 0; i < XT_PAIR; i++) {
+#pragma GCC unroll 16
+            for (int i = 0; i < PR; i++) {
                 if (i >= rows) break;
                 a[j][i] = _mm512_fmadd_ps(_mm512_load_ps(sums[j] + LANES * i), scale, a[j][i]);
                 if (MIN) a[j][i] = _mm512_fmadd_ps(min, _mm512_set1_ps(p->xs[b * XT_M + i]), a[j][i]);
@@ -1265,30 +1270,34 @@ static inline __attribute__((always_inline)) void exact_rows2(const ExactProduct
         }
     }
 #undef PAIR_CODES
-    for (int i = 0; i < XT_PAIR; i++) acc0[i] = a[0][i], acc1[i] = a[1][i];
+    for (int i = 0; i < PR; i++) acc0[i] = a[0][i], acc1[i] = a[1][i];
 }
 
-static void exact_item2(const ExactProduct* p, const uint8_t* item0, const uint8_t* item1, int rows, __m512* acc0,
-                        __m512* acc1) {
-    const Layout* l = &p->l;
-    if (l->nibble == 2 && l->kq) exact_rows2(p, item0, item1, rows, 2, 8, 1, 1, acc0, acc1);
-    else if (l->nibble == 2) exact_rows2(p, item0, item1, rows, 2, 8, 0, 0, acc0, acc1);
-    else if (l->nibble && l->kq) exact_rows2(p, item0, item1, rows, 1, 8, 1, 1, acc0, acc1);
-    else if (l->nibble && l->has_min) exact_rows2(p, item0, item1, rows, 1, 8, 1, 0, acc0, acc1);
-    else if (l->nibble) exact_rows2(p, item0, item1, rows, 1, 8, 0, 0, acc0, acc1);
-    else if (l->S == 16) exact_rows2(p, item0, item1, rows, 0, 4, 0, 1, acc0, acc1);
-    else exact_rows2(p, item0, item1, rows, 0, 8, 0, 0, acc0, acc1);
-}
-
+#define EXACT_ITEM2(NAME, PR)                                                                                  \
+    static void NAME(const ExactProduct* p, const uint8_t* item0, const uint8_t* item1, int rows, __m512* acc0, \
+                     __m512* acc1) {                                                                           \
+        const Layout* l = &p->l;                                                                               \
+        if (l->nibble == 2 && l->kq) exact_rows2(p, item0, item1, rows, 2, 8, 1, 1, PR, acc0, acc1);          \
+        else if (l->nibble == 2) exact_rows2(p, item0, item1, rows, 2, 8, 0, 0, PR, acc0, acc1);              \
+        else if (l->nibble && l->kq) exact_rows2(p, item0, item1, rows, 1, 8, 1, 1, PR, acc0, acc1);          \
+        else if (l->nibble && l->has_min) exact_rows2(p, item0, item1, rows, 1, 8, 1, 0, PR, acc0, acc1);     \
+        else if (l->nibble) exact_rows2(p, item0, item1, rows, 1, 8, 0, 0, PR, acc0, acc1);                   \
+        else if (l->S == 16) exact_rows2(p, item0, item1, rows, 0, 4, 0, 1, PR, acc0, acc1);                  \
+        else exact_rows2(p, item0, item1, rows, 0, 8, 0, 0, PR, acc0, acc1);                                  \
+    }
+EXACT_ITEM2(exact_item2, XT_PAIR)
+EXACT_ITEM2(exact_item2_16, XT_M)
 static void exact_items(void* ctx, uint32_t begin, uint32_t end) {
     const ExactProduct* p = ctx;
     const int64_t ib = item_bytes(&p->l, p->groups), passes = (p->m + XT_M - 1) / XT_M;
     const int rows = p->m < XT_M ? (int)p->m : XT_M;
     exact_configure(p->l.S, rows);
     int64_t it = begin;
-    for (; p->m <= XT_PAIR && it + 1 < end; it += 2) {  // two whole items
-        __m512 acc[2][XT_PAIR];
-        exact_item2(p, p->w + it * ib, p->w + (it + 1) * ib, rows, acc[0], acc[1]);
+    const int pair = p->m <= XT_PAIR || (p->m <= XT_M && p->l.S == 32);
+    for (; pair && it + 1 < end; it += 2) {  // two whole items
+        __m512 acc[2][XT_M];
+        if (p->m <= XT_PAIR) exact_item2(p, p->w + it * ib, p->w + (it + 1) * ib, rows, acc[0], acc[1]);
+        else exact_item2_16(p, p->w + it * ib, p->w + (it + 1) * ib, rows, acc[0], acc[1]);
         for (int j = 0; j < 2; j++) {
             const int64_t o0 = (it + j) * LANES;
             const __mmask16 keep = p->out - o0 >= LANES ? 0xFFFF : (__mmask16)((1u << (p->out - o0)) - 1);
