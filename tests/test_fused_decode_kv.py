@@ -223,8 +223,8 @@ def prompts(n: int, seed: int) -> list[list[int]]:
     return [torch.randint(5, 400, (k,), generator=g).tolist() for k in lengths]
 
 
-def engine_for(loaded, k: str, v: str, rotation: str, fused: bool) -> LLMEngine:
-    config = EngineConfig(max_num_batched_tokens=24, kv_memory_bytes=1 << 22, cache_type_k=k, cache_type_v=v,
+def engine_for(loaded, k: str, v: str, rotation: str, fused: bool, kv_memory: int = 1 << 22) -> LLMEngine:
+    config = EngineConfig(max_num_batched_tokens=24, kv_memory_bytes=kv_memory, cache_type_k=k, cache_type_v=v,
                           kv_rotation=rotation)  # fmt: skip
     engine = LLMEngine(loaded, None, config, policy=ThreadPolicy(fused_decode=fused))
     formats = engine.cache.formats
@@ -326,10 +326,18 @@ def test_keys_in_several_chunks_merge_as_one_softmax(model, k, v, monkeypatch):
         assert all(torch.equal(a, b) for a, b in zip(logits[1][1], logits[threads][1]))
 
 
-@pytest.mark.parametrize("fmt", ["float32", "bfloat16", "float16"])
-def test_rows_read_in_place_give_the_general_attentions_bits(model, fmt):
-    """Float rows (float32, bfloat16, float16; head_dim 64, 128 or 256, AVX-512) are read where they lie
-    by attention.c's attend_rows, the general attend decoding each into a buffer: every step's logits the
+@pytest.fixture(scope="module", params=["qwen2-d64", "qwen2-d128", "qwen2-d256"])
+def rows_model(request, tmp_path_factory):
+    """The head sizes the rows form takes (the fixture above gives it only 64)."""
+    directory = tmp_path_factory.mktemp(request.param)
+    kind, _, d = request.param.partition("-d")
+    return load_model(build_tiny(kind, directory, head_dim=int(d)))
+
+
+@pytest.mark.parametrize("fmt", ["float32", "bfloat16", "float16", "q8_0", "q4_0", "fp8_e4m3"])
+def test_rows_read_in_place_give_the_general_attentions_bits(rows_model, fmt):
+    """Rows of every format (head_dim 64, 128 or 256, AVX-512) are read and decoded in registers where
+    they lie by attention.c's attend_rows, the general attend decoding each into a buffer: every step's logits the
     same bits either way, over sequences of one chunk and of several, of different lengths, at 1 and 2
     threads (items of whole (sequence, chunk) pairs, or of a kv head's query heads)."""
     was = attention_rows(True)
@@ -341,7 +349,7 @@ def test_rows_read_in_place_give_the_general_attentions_bits(model, fmt):
         for on in (True, False):
             attention_rows(on)
             for threads in (1, 2):
-                engine = engine_for(model, fmt, fmt, "off", fused=True)
+                engine = engine_for(rows_model, fmt, fmt, "off", fused=True, kv_memory=1 << 24)
                 engine.runner.driver.policy.threads = threads
                 record, forward = [], engine.runner.forward
                 engine.runner.forward = lambda inputs: record.append(forward(inputs).clone()) or record[-1]

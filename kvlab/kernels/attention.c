@@ -179,10 +179,11 @@ static inline __attribute__((always_inline)) void attend(void* ctx, uint32_t beg
 }
 
 #if WIDE
-// ---- rows read where they lie: float32, bfloat16 and float16 caches (AVX-512) --------------------------
+// ---- rows read where they lie: every format of cache (AVX-512) -----------------------------------------
 //
-// `attend`'s numbers in its order, head by head and lane by lane (the same bits), for the formats whose
-// rows are a float's bits or widen to them exactly, D 64, 128 or 256. `attend` decodes every key's row
+// `attend`'s numbers in its order, head by head and lane by lane (the same bits), D 64, 128 or 256, keys
+// and values in one format: float rows widen exactly, 8- and 4-bit codes are decoded in registers to
+// decode_vector's values (code × scale, rounded once). `attend` decodes every key's row
 // into a buffer and reads it again for each query head of its group, its values' sums are loaded and
 // stored every 8 keys, and each key's slot costs a division in each pass. Here the rows are widened
 // in registers as they are loaded, each 16 values of a key loaded once for up to ROW_HEADS query heads;
@@ -193,21 +194,50 @@ static inline __attribute__((always_inline)) void attend(void* ctx, uint32_t beg
 // 1,000 0.95 -> 0.51; float32 rows, which are read at about 33 GB/s either way, 1.63 -> 1.37, 7.16 ->
 // 7.31, 30.1 -> 29.2, 1.71 -> 1.41. Asking for rows ahead (one kv head's row at a time, PREFETCH_AHEAD
 // keys on) still paid: 16 over 320, bfloat16 5.1 against 8.6 ms without it, float32 7.5 against 8.1.
+// The coded formats came later (an Intel Xeon VM, SmolLM2 int8, 2 threads, whole decode steps with the
+// two forms alternated in one process): 16 sequences after 64-token prompts q8_0 23.6 -> 22.1 ms, fp8
+// 28.9 -> 25.5, q4_0 27.0 -> 24.8; after 500, q8_0 48.3 -> 36.5, fp8 54.7 -> 38.0; one after 1,000,
+// q8_0 10.8 -> 10.0, fp8 11.4 -> 10.0 (a contended hour: the products ran slow).
 #define ROW_HEADS 3  // query heads whose scores share each loaded key (8 keys: 24 sums in registers)
 
-// 16 values of a stored row from value i, as floats: exact in all three formats
-static inline __attribute__((always_inline)) v16f row16(const void* row, int64_t i, const int FMT) {
+// 16 values of a stored row from value i, as floats: decode_vector's values (kv_codec.h), the same IEEE
+// operations on 16 lanes. sc: the row's scales (q8_0, q4_0: D / 32 fp16; fp8_e4m3: one float32), unread
+// for the 16- and 32-bit formats, whose rows widen exactly
+static inline __attribute__((always_inline)) v16f row16(const void* row, const void* sc, int64_t i, const int FMT) {
     if (FMT == KV_F32) return load16((const float*)row + i);
+    if (FMT == KV_Q8_0) {
+        const __m128i codes = _mm_loadu_si128((const __m128i*)((const int8_t*)row + i));
+        return (v16f)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(codes)) * (float)((const _Float16*)sc)[i / QK];
+    }
+    if (FMT == KV_Q4_0) {  // values 0-15 of a block in its 16 bytes' low nibbles, 16-31 in their high ones
+        const __m128i bytes = _mm_loadu_si128((const __m128i*)((const uint8_t*)row + i / QK * (QK / 2)));
+        const __m128i q = _mm_and_si128(i % QK ? _mm_srli_epi16(bytes, 4) : bytes, _mm_set1_epi8(0x0F));
+        return ((v16f)_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q)) - 8.0f) * (float)((const _Float16*)sc)[i / QK];
+    }
+    if (FMT == KV_FP8) {  // fp8x8_over_256's fp16 bits, 16 at a time, times 256 · scale
+        const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)((const uint8_t*)row + i)));
+        const __m256i sign = _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8);
+        const __m256i rest = _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7F)), 7);
+        return (v16f)_mm512_cvtph_ps(_mm256_or_si256(sign, rest)) * (*(const float*)sc * 256.0f);
+    }
     const __m256i h = _mm256_loadu_si256((const __m256i*)((const uint16_t*)row + i));
     if (FMT == KV_BF16) return (v16f)_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16);
     return (v16f)_mm512_cvtph_ps(h);
 }
 
+// Where vector `vec`'s scales are (row16's sc): NULL for the formats without any
+static inline __attribute__((always_inline)) const void* row_scales(const KVStore* s, int64_t vec, int64_t D,
+                                                                    const int FMT) {
+    if (FMT == KV_Q8_0 || FMT == KV_Q4_0) return (const _Float16*)s->scales + vec * (D / QK);
+    if (FMT == KV_FP8) return (const float*)s->scales + vec;
+    return NULL;
+}
+
 // The scores of NH query heads (q: the first's, D apart) with 8 keys (rows): dot8_wide's operations for
 // each head, into s (the first head's scores at the first key; heads `stride` apart), times scale
 static inline __attribute__((always_inline)) void row_scores(const float* q, int64_t D, const char* const rows[8],
-                                                             float scale, float* s, int64_t stride, const int NH,
-                                                             const int FMT) {
+                                                             const void* const sc[8], float scale, float* s,
+                                                             int64_t stride, const int NH, const int FMT) {
     v16f acc[ROW_HEADS][8];
     for (int h = 0; h < NH; h++)
         for (int j = 0; j < 8; j++) acc[h][j] = (v16f){0};
@@ -215,7 +245,7 @@ static inline __attribute__((always_inline)) void row_scores(const float* q, int
         v16f x[ROW_HEADS];
         for (int h = 0; h < NH; h++) x[h] = load16(q + h * D + i);
         for (int j = 0; j < 8; j++) {
-            const v16f k = row16(rows[j], i, FMT);
+            const v16f k = row16(rows[j], sc[j], i, FMT);
             for (int h = 0; h < NH; h++) acc[h][j] += x[h] * k;
         }
     }
@@ -243,6 +273,7 @@ static inline __attribute__((always_inline)) void row_values(const float* p, int
         for (int i = 0; i < DV; i++) acc[h][i] = (v16f){0};
     for (int64_t t = lo; t < hi; t++) {
         const char* row = codes + (vecs[t - lo] + g) * cb;
+        const void* sc = row_scales(s, vecs[t - lo] + g, D, FMT);
         if (AHEAD && t + PREFETCH_AHEAD < hi) prefetch_vector(s, vecs[t + PREFETCH_AHEAD - lo] + g, D);
         if (FMT == KV_BF16) {  // acc[h][i] (i even): values 16i, 16i + 2, ...; acc[h][i + 1]: 16i + 1, 16i + 3, ...
             for (int i = 0; i < DV; i += 2) {
@@ -253,7 +284,7 @@ static inline __attribute__((always_inline)) void row_values(const float* p, int
             }
         } else {
             for (int i = 0; i < DV; i++) {
-                const v16f v = row16(row, 16 * i, FMT);
+                const v16f v = row16(row, sc, 16 * i, FMT);
                 for (int h = 0; h < NH; h++) acc[h][i] += p[h * stride + t] * v;
             }
         }
@@ -329,7 +360,9 @@ static inline __attribute__((always_inline)) void attend_rows(void* ctx, uint32_
             int64_t t = lo;
             for (; t + 8 <= hi; t += 8) {
                 const char* rows[8];
-                for (int j = 0; j < 8; j++) rows[j] = K + (vecs[t - lo + j] + g) * cb;
+                const void* sc[8];
+                for (int j = 0; j < 8; j++)
+                    rows[j] = K + (vecs[t - lo + j] + g) * cb, sc[j] = row_scales(&S->k, vecs[t - lo + j] + g, D, FMT);
                 if (AHEAD)
                     for (int j = 0; j < 8; j++) {
                         if (t + 8 + PREFETCH_AHEAD + j < hi) prefetch_vector(&S->k, vecs[t + 8 + PREFETCH_AHEAD + j - lo] + g, D);
@@ -338,14 +371,15 @@ static inline __attribute__((always_inline)) void attend_rows(void* ctx, uint32_
                 for (int64_t h = h0; h < h1;) {
                     float* s = scores + h * stride + t;
                     const float* qh = q + h * D;
-                    if (h1 - h >= 3) row_scores(qh, D, rows, scale, s, stride, 3, FMT), h += 3;
-                    else if (h1 - h == 2) row_scores(qh, D, rows, scale, s, stride, 2, FMT), h += 2;
-                    else row_scores(qh, D, rows, scale, s, stride, 1, FMT), h += 1;
+                    if (h1 - h >= 3) row_scores(qh, D, rows, sc, scale, s, stride, 3, FMT), h += 3;
+                    else if (h1 - h == 2) row_scores(qh, D, rows, sc, scale, s, stride, 2, FMT), h += 2;
+                    else row_scores(qh, D, rows, sc, scale, s, stride, 1, FMT), h += 1;
                 }
             }
             for (; t < hi; t++) {
                 const char* row = K + (vecs[t - lo] + g) * cb;
-                for (int64_t i = 0; i < D; i += 16) store16(kbuf + i, row16(row, i, FMT));
+                const void* sc = row_scales(&S->k, vecs[t - lo] + g, D, FMT);
+                for (int64_t i = 0; i < D; i += 16) store16(kbuf + i, row16(row, sc, i, FMT));
                 for (int64_t h = h0; h < h1; h++) scores[h * stride + t] = dot(q + h * D, kbuf, D) * scale;
             }
         }
@@ -368,17 +402,22 @@ static inline __attribute__((always_inline)) void attend_rows(void* ctx, uint32_
 ROWS_FORMS(KV_F32, f32)
 ROWS_FORMS(KV_BF16, bf16)
 ROWS_FORMS(KV_F16, f16)
+ROWS_FORMS(KV_Q8_0, q8_0)
+ROWS_FORMS(KV_Q4_0, q4_0)
+ROWS_FORMS(KV_FP8, fp8)
 
 static int rows_allowed = 1;  // kvlab_attention_rows: off, every step goes through attend (the tests' reference)
 
 // The form of attend_rows for this step, or NULL where attend takes it (another format or head size,
 // keys and values in different formats)
 static PoolTask rows_form(const Layer* L, const Step* S, int ahead) {
-    static const PoolTask forms[3][2][3] = {
-        {{rows_f32_64, rows_f32_128, rows_f32_256}, {rows_f32_64_ahead, rows_f32_128_ahead, rows_f32_256_ahead}},
-        {{rows_bf16_64, rows_bf16_128, rows_bf16_256}, {rows_bf16_64_ahead, rows_bf16_128_ahead, rows_bf16_256_ahead}},
-        {{rows_f16_64, rows_f16_128, rows_f16_256}, {rows_f16_64_ahead, rows_f16_128_ahead, rows_f16_256_ahead}}};
-    const int f = S->k.fmt == KV_F32 ? 0 : S->k.fmt == KV_BF16 ? 1 : S->k.fmt == KV_F16 ? 2 : -1;
+#define FORMS_OF(TAG) \
+    {{rows_##TAG##_64, rows_##TAG##_128, rows_##TAG##_256}, {rows_##TAG##_64_ahead, rows_##TAG##_128_ahead, rows_##TAG##_256_ahead}}
+    static const PoolTask forms[KV_FORMATS][2][3] = {
+        [KV_F32] = FORMS_OF(f32),   [KV_Q8_0] = FORMS_OF(q8_0), [KV_Q4_0] = FORMS_OF(q4_0),
+        [KV_FP8] = FORMS_OF(fp8),   [KV_BF16] = FORMS_OF(bf16), [KV_F16] = FORMS_OF(f16)};
+#undef FORMS_OF
+    const int f = S->k.fmt >= 0 && S->k.fmt < KV_FORMATS ? S->k.fmt : -1;
     const int64_t D = L->head_dim;
     const int d = D == 64 ? 0 : D == 128 ? 1 : D == 256 ? 2 : -1;
     if (!rows_allowed || f < 0 || d < 0 || S->v.fmt != S->k.fmt || L->heads % L->kv_heads) return NULL;
