@@ -27,7 +27,7 @@ from kvlab.config import EngineConfig
 from kvlab.engine import LLMEngine
 from kvlab.kernels import ThreadPolicy
 from kvlab.backends.cpu import CpuDecodeBackend
-from kvlab.kernels.decode import attention_rows, kv_format_ids, kv_write, library
+from kvlab.kernels.decode import attention_rows, kv_format_ids, kv_gather, kv_write, library
 from kvlab.kv.formats import KV_FORMATS, hadamard, rotated, unrotated
 from kvlab.model.loader import load_model
 from kvlab.sampling import SamplingParams
@@ -74,6 +74,29 @@ def test_a_passes_keys_go_into_their_slots_as_the_python_encoder_and_copy_put_th
     for a, b in zip(mine, theirs):
         bytes_a, bytes_b = a.view(torch.uint8), b.view(torch.uint8)
         assert torch.equal(bytes_a, bytes_b), f"{fmt.name}: {(bytes_a != bytes_b).sum()} bytes differ"
+
+
+@pytest.mark.parametrize("rotate", [False, True], ids=["plain", "rotated"])
+@pytest.mark.parametrize("fmt_name", QUANTIZED + ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("d", [64, 128])
+def test_a_gather_of_whole_blocks_decodes_as_index_select_and_the_formats_decode(fmt_name, rotate, d):
+    """kernels/decode.py's kv_gather (kv/paged.py's gather of a prompt pass's stored keys or values) gives,
+    block by block in the order asked (repeats included), the floats index_select and formats.py's decode
+    give, the rotation back included; at one thread and at two."""
+    fmt = KV_FORMATS[fmt_name]
+    fmt = rotated(fmt) if rotate else fmt
+    hkv, bs, blocks = 3, 16, 6
+    x = torch.cat([awkward_vectors(d, seed) for seed in range(5)])[: blocks * bs * hkv]
+    parts = [t.view(blocks, bs, hkv, *t.shape[1:]).contiguous() for t in fmt.encode(x.view(-1, hkv, d).flatten(0, 1))]
+    ids = torch.tensor([4, 0, 5, 5, 2])
+    rows = [t.view(blocks, -1).index_select(0, ids).view(len(ids), -1, *t.shape[2:]) for t in parts]
+    theirs = fmt.decode(rows, torch.float32).flatten(0, 1)
+    for threads in (1, 2):
+        mine = kv_gather(unrotated(fmt).name, rotate, parts, ids, threads)
+        assert mine is not None and mine.shape == (len(ids) * bs, hkv, d)
+        assert torch.equal(mine, theirs), f"{fmt.name}: {(mine != theirs).sum()} values differ"
+    assert kv_gather(unrotated(fmt).name, rotate, parts, torch.tensor([0, 6]), 1) is None  # block 6 of 6
+    assert kv_gather(unrotated(fmt).name, rotate, parts, ids.int(), 1) is None
 
 
 def test_the_writer_leaves_to_pytorch_what_it_does_not_take():

@@ -132,6 +132,12 @@ class TorchOps:
         (kv/formats.py's KVFormat, as kv/paged.py's write stores it); False: not taken, the caller encodes."""
         return False
 
+    def kv_read(self, fmt, parts: list[torch.Tensor], blocks: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+        """Whole blocks `blocks` [n] of a layer's storage `parts` decoded from `fmt` (kv/paged.py's gather):
+        [n · block size, Hkv, D] of `dtype`, the values index_select and fmt.decode give; None: the
+        caller decodes them."""
+        return None
+
     # ---- sampling ---------------------------------------------------------------------------------------
 
     def greedy_tokens(self, logits: torch.Tensor) -> torch.Tensor:
@@ -270,6 +276,16 @@ class CpuOps(TorchOps):
             return False
         return kv_write(base.name, base is not fmt, x, slots, parts)
 
+    def kv_read(self, fmt, parts, blocks, dtype):
+        from kvlab.kernels.decode import kv_gather
+        from kvlab.kv.formats import unrotated
+
+        base = unrotated(fmt)
+        policy = current()
+        if base.name not in KV_READS or dtype != torch.float32 or not policy.use_kernels:
+            return None
+        return kv_gather(base.name, base is not fmt, parts, blocks, policy.threads)
+
     def deltanet_applies(self, conv, ssm, rows):
         from kvlab.kernels import deltanet
 
@@ -291,6 +307,9 @@ class CpuOps(TorchOps):
 # (62 against 65), float16 (85 against 133) or fp8_e4m3 (280 against 680), whose conversions PyTorch
 # vectorises and the encoder makes one value at a time.
 KV_WRITES = frozenset({"bfloat16", "q8_0", "q4_0"})
+# The KV formats whose prompt-pass reads (a sequence's stored keys and values, decoded: CpuOps.kv_read) the
+# kernels take: the coded ones, whose PyTorch decode (and rotation) is a dozen tensor ops over the gather.
+KV_READS = frozenset({"q8_0", "q4_0", "fp8_e4m3"})
 ONE_THREAD_ROWS = 256  # the largest prompt pass whose PyTorch ops take one thread (CpuOps.torch_threads)
 CHUNKED_ROWS = 4  # up to this many chunks of the kernels' rows, a packed expert's product stays on the kernels
 TORCH = TorchOps()

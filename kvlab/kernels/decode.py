@@ -168,6 +168,32 @@ def kv_write(fmt_name: str, rotate: bool, x: torch.Tensor, slots: torch.Tensor, 
     return status == 0
 
 
+def kv_gather(fmt_name: str, rotate: bool, parts: list[torch.Tensor], blocks: torch.Tensor,
+              threads: int) -> torch.Tensor | None:
+    """Whole blocks of one layer's storage `parts` (kv/formats.py's storage, [blocks, block size, Hkv, ...]
+    each, in the format `fmt_name`), the blocks `blocks` [n] in that order, decoded to float32 [n · block
+    size, Hkv, D] (rotated back by H with `rotate`): kv_codec.c's kvlab_kv_gather, the values formats.py's
+    index_select and decode give. None where it does not take the call (no library, a format or head
+    size it does not know, other layouts, a block id outside the storage)."""
+    lib, ids = library(), kv_format_ids()
+    if lib is None or fmt_name not in ids or not parts or blocks.dim() != 1:
+        return None
+    codes, scales = parts[0], parts[1] if len(parts) > 1 else None
+    if any(not t.is_contiguous() or t.device.type != "cpu" or t.dim() < 3 or t.shape[:3] != codes.shape[:3] for t in parts):
+        return None
+    if blocks.dtype != torch.int64 or blocks.device.type != "cpu" or not blocks.is_contiguous():
+        return None
+    num_blocks, bs, hkv = codes.shape[:3]
+    D = codes.shape[3] * (2 if fmt_name == "q4_0" else 1) if codes.dim() == 4 else 0
+    n = blocks.numel()
+    if D == 0 or (n and (int(blocks.min()) < 0 or int(blocks.max()) >= num_blocks)):
+        return None  # index_select says what is wrong
+    out = torch.empty(n * bs, hkv, D)
+    status = lib["kv_gather"](ids[fmt_name], int(rotate), codes.data_ptr(), scales.data_ptr() if scales is not None else None,
+                              blocks.data_ptr(), n, bs * hkv, D, out.data_ptr(), threads)  # fmt: skip
+    return out if status == 0 else None
+
+
 def attention_rows(on: bool) -> bool | None:
     """Whether the decode step's attention may read float32 / bfloat16 / float16 rows in place
     (attention.c's attend_rows: the same bits as its general form, faster); returns the setting it

@@ -157,6 +157,8 @@ def _load() -> None:
     _decode["kv_write"] = _bind(lib, "kvlab_kv_write", [ctypes.c_int, ctypes.c_int, pointer] + [int64] * 5 + [pointer] * 3,
                                 ctypes.c_int)  # fmt: skip
     _decode["kv_decode"] = _bind(lib, "kvlab_kv_decode", [ctypes.c_int, pointer, pointer, int64, int64, pointer], ctypes.c_int)
+    _decode["kv_gather"] = _bind(lib, "kvlab_kv_gather", [ctypes.c_int] * 2 + [pointer] * 3 + [int64] * 3 + [pointer, ctypes.c_int],
+                                 ctypes.c_int)  # fmt: skip
     _decode["hadamard"] = _bind(lib, "kvlab_hadamard_f32", [pointer, int64, int64])
     _decode["paged_attention"] = _bind(lib, "kvlab_paged_attention", [pointer] * 3 + [int64] + [pointer] * 2 + [ctypes.c_int])
     _decode["paged_attention_scratch"] = _bind(lib, "kvlab_paged_attention_scratch_floats", [int64] * 4, int64)

@@ -176,9 +176,12 @@ class PagedKVCache(KVCache):
             if not parts:  # MLA: no V stored (the latent's first numbers serve as values)
                 out.append(out[0][..., :0])
                 continue
-            # whole blocks as rows: index_select copies rows, several times faster than k[tables]
-            rows = [t.view(self.num_blocks, -1).index_select(0, blocks).view(B, -1, *t.shape[2:]) for t in parts]
-            x = fmt.decode(rows, self.dtype)  # [B, blocks·bs, Hkv, D]
+            x = current_ops().kv_read(fmt, parts, blocks, self.dtype)  # the kernels' decode, or None
+            if x is None:  # whole blocks as rows: index_select copies rows, several times faster than k[tables]
+                rows = [t.view(self.num_blocks, -1).index_select(0, blocks).view(B, -1, *t.shape[2:]) for t in parts]
+                x = fmt.decode(rows, self.dtype)  # [B, blocks·bs, Hkv, D]
+            else:
+                x = x.view(B, -1, *x.shape[1:])
             out.append(x[:, :L].transpose(1, 2))
         return out[0], out[1]
 
