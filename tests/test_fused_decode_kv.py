@@ -97,6 +97,10 @@ def test_a_gather_of_whole_blocks_decodes_as_index_select_and_the_formats_decode
         assert torch.equal(mine, theirs), f"{fmt.name}: {(mine != theirs).sum()} values differ"
     assert kv_gather(unrotated(fmt).name, rotate, parts, torch.tensor([0, 6]), 1) is None  # block 6 of 6
     assert kv_gather(unrotated(fmt).name, rotate, parts, ids.int(), 1) is None
+    other = "bfloat16" if unrotated(fmt).name != "bfloat16" else "float16"  # storage that is not this format's
+    assert kv_gather(other, rotate, parts, ids, 1) is None
+    if len(parts) > 1:
+        assert kv_gather(unrotated(fmt).name, rotate, parts[:1], ids, 1) is None  # codes without their scales
 
 
 def test_the_writer_leaves_to_pytorch_what_it_does_not_take():

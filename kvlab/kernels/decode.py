@@ -183,10 +183,16 @@ def kv_gather(fmt_name: str, rotate: bool, parts: list[torch.Tensor], blocks: to
         return None
     if blocks.dtype != torch.int64 or blocks.device.type != "cpu" or not blocks.is_contiguous():
         return None
+    from kvlab.kv.formats import KV_FORMATS
+
     num_blocks, bs, hkv = codes.shape[:3]
     D = codes.shape[3] * (2 if fmt_name == "q4_0" else 1) if codes.dim() == 4 else 0
+    storage = KV_FORMATS[fmt_name].storage(D) if D else []  # each part's shape past [blocks, bs, Hkv], dtype
+    if len(storage) != len(parts) or any(tuple(t.shape[3:]) != shape or t.dtype != dtype
+                                         for t, (shape, dtype) in zip(parts, storage)):  # fmt: skip
+        return None
     n = blocks.numel()
-    if D == 0 or (n and (int(blocks.min()) < 0 or int(blocks.max()) >= num_blocks)):
+    if n and (int(blocks.min()) < 0 or int(blocks.max()) >= num_blocks):
         return None  # index_select says what is wrong
     out = torch.empty(n * bs, hkv, D)
     status = lib["kv_gather"](ids[fmt_name], int(rotate), codes.data_ptr(), scales.data_ptr() if scales is not None else None,
