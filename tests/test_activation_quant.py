@@ -204,3 +204,28 @@ def test_a_prompts_gated_mlp_in_one_pass_gives_the_mlps_own_bits(gguf_file, monk
     monkeypatch.setattr(CpuOps, "gated_product", lambda self, *a: None)
     apart = ModelDriver(loaded.model).append(ids, ContiguousKVCache.for_model(loaded.config, 128))
     assert torch.equal(fused, apart)
+
+
+def test_int8_prompt_passes_attend_on_bfloat16_tiles_where_their_products_go_in_bfloat16(gguf_file, monkeypatch):
+    """The int8 setting marks every attention layer (prompt_bf16) where this machine's products go in
+    bfloat16 from bf16_prompt_rows() rows; its prompt passes then ask for the tiles' attention, the exact
+    setting never. A prompt of that many tokens: logits near the float32 attention's."""
+    from kvlab.kernels import gemv
+    from kvlab.model.transformer import Attention
+
+    exact = load_model(gguf_file)
+    assert not any(m.prompt_bf16 for m in exact.model.modules() if isinstance(m, Attention))
+    loaded = with_int8_activations(load_model(gguf_file))
+    layers = [m for m in loaded.model.modules() if isinstance(m, Attention)]
+    assert layers and all(m.prompt_bf16 == (quant.bf16_prompt_rows() > 0) for m in layers)
+    asked = []
+    kernel = gemv.prompt_attention
+    monkeypatch.setattr(gemv, "prompt_attention", lambda *a, bf16=False: asked.append(bf16) or kernel(*a, bf16=bf16))
+    ids = torch.randint(3, 500, (80,), generator=torch.Generator().manual_seed(5)).tolist()
+    tiles = ModelDriver(loaded.model).append(ids, ContiguousKVCache.for_model(loaded.config, 128))
+    assert asked == [quant.bf16_prompt_rows() > 0] * len(layers)
+    for m in layers:
+        m.prompt_bf16 = False
+    apart = ModelDriver(loaded.model).append(ids, ContiguousKVCache.for_model(loaded.config, 128))
+    assert asked[len(layers):] == [False] * len(layers)
+    assert (tiles - apart).abs().max() <= 0.05 * apart.abs().max()

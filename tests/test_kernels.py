@@ -244,6 +244,24 @@ def _causal_mask(B: int, T: int, L: int, window: int | None = None) -> torch.Ten
     return visible[None, None].expand(B, 1, T, L).clone()
 
 
+def _prompt_case(B, H, Hkv, T, L, D, masked: str, seed: int):
+    """q, k, v at the strides the modules hand over (views into fused products) and a mask: causal where
+    T < L or asked ("mask"; a second sequence two keys shorter: padding past its end), a window of 7."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, T, H, D, generator=g).transpose(1, 2)  # the modules' [B, H, T, D] view
+    kv = torch.randn(B, L, 2 * Hkv, D, generator=g)
+    k, v = kv[:, :, :Hkv].transpose(1, 2), kv[:, :, Hkv:].transpose(1, 2)
+    mask = None
+    if masked == "mask" or T < L:
+        mask = _causal_mask(B, T, L)
+        if B > 1:
+            mask[1, :, :, -2:] = False
+            mask[1, :, :, 0] = True  # (every query still sees a key)
+    if masked == "window":
+        mask = _causal_mask(B, T, L, window=7)
+    return q, k, v, mask
+
+
 @needs_kernel
 @pytest.mark.parametrize("B, H, Hkv, T, L, D", [(8, 9, 3, 64, 64, 64), (2, 14, 2, 40, 300, 64), (1, 4, 4, 70, 70, 128),
                                                  (3, 6, 2, 5, 9, 32), (2, 4, 1, 33, 33, 80), (1, 2, 1, 3, 3, 256),
@@ -256,18 +274,7 @@ def test_c_prompt_attention_matches_sdpa(B, H, Hkv, T, L, D, masked):
     """kernels/gemv.py's prompt_attention (prompt_attention.c) against PyTorch's SDPA: grouped query heads, queries
     after cached keys, a mask (padding past one sequence's end, a sliding window), head sizes on and off the
     vector widths, q, k and v at the strides the modules hand over (views into fused products)."""
-    g = torch.Generator().manual_seed(B * 100 + T)
-    q = torch.randn(B, T, H, D, generator=g).transpose(1, 2)  # the modules' [B, H, T, D] view
-    kv = torch.randn(B, L, 2 * Hkv, D, generator=g)
-    k, v = kv[:, :, :Hkv].transpose(1, 2), kv[:, :, Hkv:].transpose(1, 2)
-    mask = None
-    if masked == "mask" or T < L:
-        mask = _causal_mask(B, T, L)
-        if B > 1:
-            mask[1, :, :, -2:] = False  # a second sequence two keys shorter: padding past its end
-            mask[1, :, :, 0] = True  # (every query still sees a key)
-    if masked == "window":
-        mask = _causal_mask(B, T, L, window=7)
+    q, k, v, mask = _prompt_case(B, H, Hkv, T, L, D, masked, seed=B * 100 + T)
     with ThreadPolicy(threads=2).applied():
         got = gemv.prompt_attention(q, k, v, mask, 0.125)
     assert got is not None and got.shape == (B, H, T, D)
@@ -307,3 +314,80 @@ def test_c_prompt_attention_leaves_what_it_does_not_take_to_pytorch():
     assert gemv.prompt_attention(q, k, torch.randn(1, 2, 3, 8), None, 0.25) is None  # v's width differs
     with ThreadPolicy(threads=2, use_kernels=False).applied():
         assert gemv.prompt_attention(q, k, k, None, 0.25) is None  # the policy keeps the kernels off
+
+
+def _bf16_reference(q, k, v, mask, scale):
+    """The bfloat16 form's numbers in float64: q, k, v rounded to bfloat16, the softmax's weights too (their
+    sum not), every product exact."""
+    r = [t.to(torch.bfloat16).double() for t in (q, k, v)]
+    group = q.shape[1] // k.shape[1]
+    kk, vv = (t.repeat_interleave(group, 1) for t in r[1:])
+    s = (r[0] @ kk.transpose(-1, -2)) * scale
+    T, L = q.shape[2], k.shape[2]
+    allowed = _causal_mask(q.shape[0], T, L) if mask is None else mask
+    s = s.masked_fill(~allowed, float("-inf"))
+    w = torch.exp(s - s.amax(-1, keepdim=True)).nan_to_num(0.0)
+    total = w.sum(-1, keepdim=True)
+    out = (w.to(torch.bfloat16).double() @ vv) / total
+    return out.nan_to_num(0.0).float()
+
+
+@needs_kernel
+@pytest.mark.parametrize("B, H, Hkv, T, L, D", [(8, 9, 3, 64, 64, 64), (2, 14, 2, 40, 300, 64), (1, 4, 4, 70, 70, 128),
+                                                 (3, 6, 2, 5, 9, 32), (1, 2, 1, 17, 240, 256), (1, 4, 1, 300, 300, 64)])
+@pytest.mark.parametrize("masked", ["causal", "mask", "window"])
+def test_c_prompt_attention_on_bfloat16_tiles(B, H, Hkv, T, L, D, masked):
+    """The int8 setting's prompt attention (bf16=True): on a machine with AMX tiles for bfloat16, the
+    numbers of q, k, v and the weights rounded to bfloat16 and summed in float32; each sequence's rows its
+    own (alone, the same bits). Elsewhere the float32 form's very numbers."""
+    from kvlab.kernels import quant
+
+    q, k, v, mask = _prompt_case(B, H, Hkv, T, L, D, masked, seed=B * 10 + T)
+    with ThreadPolicy(threads=2).applied():
+        got = gemv.prompt_attention(q, k, v, mask, 0.125, bf16=True)
+        exact = gemv.prompt_attention(q, k, v, mask, 0.125)
+    assert got is not None and got.transpose(1, 2).is_contiguous()
+    if not quant.bf16_prompt_rows():
+        assert torch.equal(got, exact)  # no tiles: the float32 form
+        return
+    torch.testing.assert_close(got, _bf16_reference(q, k, v, mask, 0.125), rtol=0, atol=1e-2)
+    torch.testing.assert_close(got, exact, rtol=0, atol=5e-2)  # and near the float32 form
+    assert not torch.equal(got, exact)  # (it did round)
+    with ThreadPolicy(threads=1).applied():
+        alone = gemv.prompt_attention(q[-1:], k[-1:], v[-1:], None if mask is None else mask[-1:], 0.125, bf16=True)
+    assert torch.equal(alone, got[-1:])
+
+
+@needs_kernel
+def test_c_prompt_attention_on_tiles_gives_zeros_to_a_query_that_sees_no_key_and_leaves_other_shapes_to_float32():
+    B, H, Hkv, T, L = 1, 4, 2, 20, 40
+    g = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(B, H, T, 64, generator=g), torch.randn(B, Hkv, L, 64, generator=g), torch.randn(B, Hkv, L, 64, generator=g)
+    mask = _causal_mask(B, T, L)
+    mask[0, 0, 5] = False
+    got = gemv.prompt_attention(q, k, v, mask, 0.125, bf16=True)
+    assert torch.equal(got[:, :, 5], torch.zeros(B, H, 64)) and torch.isfinite(got).all()
+    # a head size off 32's multiples, or more keys than a work item's scores hold in L2: the float32 form
+    q80, k80 = torch.randn(1, 2, 3, 80, generator=g), torch.randn(1, 1, 3, 80, generator=g)
+    assert torch.equal(gemv.prompt_attention(q80, k80, k80, None, 0.1, bf16=True), gemv.prompt_attention(q80, k80, k80, None, 0.1))
+    q1, kl = torch.randn(1, 2, 1, 32, generator=g), torch.randn(1, 1, 8193, 32, generator=g)
+    assert torch.equal(gemv.prompt_attention(q1, kl, kl, None, 0.1, bf16=True), gemv.prompt_attention(q1, kl, kl, None, 0.1))
+
+
+@needs_kernel
+def test_a_prompt_attends_on_tiles_from_as_many_queries_as_the_bfloat16_products_take(monkeypatch):
+    """CpuOps asks for the tiles where the layer allows them (the int8 setting) and the pass has at least
+    quant.bf16_prompt_rows() queries (B · T), as the products go in bfloat16 from that many rows."""
+    from kvlab.backends.ops import CpuOps
+    from kvlab.kernels import quant
+
+    asked = []
+    monkeypatch.setattr(gemv, "prompt_attention", lambda *a, bf16=False: asked.append(bf16))
+    monkeypatch.setattr(quant, "bf16_prompt_rows", lambda: 64)
+    ops = CpuOps()
+    for B, T, allowed in [(1, 63, True), (1, 64, True), (4, 16, True), (2, 64, False)]:
+        ops.prompt_attention(torch.zeros(B, 2, T, 32), None, None, None, 0.1, bf16=allowed)
+    assert asked == [False, True, True, False]
+    monkeypatch.setattr(quant, "bf16_prompt_rows", lambda: 0)  # no tiles on this machine
+    ops.prompt_attention(torch.zeros(1, 2, 64, 32), None, None, None, 0.1, bf16=True)
+    assert asked[-1] is False

@@ -116,9 +116,10 @@ class TorchOps:
     # ---- attention ------------------------------------------------------------------------------------
 
     def prompt_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-                         scale: float) -> torch.Tensor | None:
+                         scale: float, bf16: bool = False) -> torch.Tensor | None:
         """Attention of a pass of several new queries per sequence (model/attention.py's sdpa_attention: q
-        [B, H, T, D], k and v [B, Hkv, L, D], a causal `mask` or none), or None: the caller runs PyTorch's."""
+        [B, H, T, D], k and v [B, Hkv, L, D], a causal `mask` or none), or None: the caller runs PyTorch's.
+        `bf16`: the model's prompt passes may attend in bfloat16 (the int8 setting's: kvlab.quant.activations)."""
         return None
 
     def paged_attention(self, cache, layer: int, q: torch.Tensor, group, g: int, positions: torch.Tensor,
@@ -254,10 +255,13 @@ class CpuOps(TorchOps):
 
         return small_ops_apply(x, tokens)
 
-    def prompt_attention(self, q, k, v, mask, scale):
+    def prompt_attention(self, q, k, v, mask, scale, bf16=False):
+        # in bfloat16 where the pass's products are: from quant.bf16_prompt_rows() rows (the pass's queries)
+        from kvlab.kernels import quant
         from kvlab.kernels.gemv import prompt_attention
 
-        return prompt_attention(q, k, v, mask, scale)
+        rows = quant.bf16_prompt_rows() if bf16 else 0
+        return prompt_attention(q, k, v, mask, scale, bf16=0 < rows <= q.shape[0] * q.shape[2])
 
     def paged_attention(self, cache, layer, q, group, g, positions, softmax):
         from kvlab.backends.cpu_attention import attend_rows

@@ -43,7 +43,7 @@ _SOURCES.append(Path(__file__).with_name("moe.c"))  # the decode step's mixture-
 _SOURCES.append(Path(__file__).with_name("deltanet.c"))  # Gated DeltaNet's decode step, bound by kernels/deltanet.py
 _SOURCES.append(Path(__file__).with_name("probe.c"))  # the vector units' multiply-add rate, bound by kernels/probe.py
 _HEADERS = [Path(__file__).with_name(name) for name in ("pool.h", "step.h", "kv_codec.h", "quant_i8.h", "vec8.h",
-                                                        "attention.h")]  # fmt: skip
+                                                        "attention.h", "amx.h")]  # fmt: skip
 _FLAGS = ["-O3", "-march=native", "-pthread", "-shared", "-fPIC", "-std=gnu11", "-lm"]
 _MAX_OUT = 2**31  # output rows: the pool numbers work items (4 rows each) in 32 bits
 _NAMES = {torch.float32: "kvlab_gemv_f32", torch.bfloat16: "kvlab_gemv_bf16", torch.float16: "kvlab_gemv_f16"}
@@ -133,7 +133,7 @@ def _load() -> None:
     _ops["rope"] = _bind(lib, "kvlab_rope_rows", [pointer] * 3 + [int64] * 4 + [ctypes.c_int])
     _ops["gated_act"] = _bind(lib, "kvlab_gated_act_rows", [pointer, int64, pointer, int64, pointer] + [int64] * 2 + [ctypes.c_int] * 2)
     _ops["prompt_attention"] = _bind(lib, "kvlab_prompt_attention", [pointer, pointer] * 3 + [pointer] * 4 + [int64] * 6
-                                     + [ctypes.c_float, ctypes.c_int], ctypes.c_int)  # fmt: skip
+                                     + [ctypes.c_float, ctypes.c_int, ctypes.c_int], ctypes.c_int)  # fmt: skip
     _ops["argmax"] = _bind(lib, "kvlab_argmax_rows", [pointer, int64, int64, pointer, ctypes.c_int])
     _pool["stats"] = _bind(lib, "kvlab_pool_stats", [ctypes.POINTER(_PoolStats)])
     _pool["set_generation"] = _bind(lib, "kvlab_pool_set_generation", [ctypes.c_uint32], ctypes.c_int)
@@ -333,12 +333,14 @@ def gated_act(gate: torch.Tensor, up: torch.Tensor, activation_id: int) -> torch
 
 
 def prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-                     scale: float) -> torch.Tensor | None:
+                     scale: float, bf16: bool = False) -> torch.Tensor | None:
     """softmax(q · kᵀ · scale) · v [B, H, T, D] (laid out [B, T, H, D]) for a pass's T new queries per
     sequence (prompt_attention.c's kvlab_prompt_attention, on the kernels' pool): q [B, H, T, D], k and v
     [B, Hkv, L, D], query t at position L − T + t seeing the keys up to its own and, with `mask` ([1 or B,
-    1, T, L] bool, True = may look: a causal one), only those. None where the C version does not take the
-    call (not float32 tensors on a CPU, another layout, no kernels): the caller runs PyTorch's."""
+    1, T, L] bool, True = may look: a causal one), only those. `bf16`: on AMX tiles with q, k, v and the
+    weights rounded to bfloat16 (the int8 setting's prompt passes), where this machine has them, D is a
+    multiple of 32 up to 256 and L at most 8,192; else in float32. None where the C version does not take
+    the call (not float32 tensors on a CPU, another layout, no kernels): the caller runs PyTorch's."""
     B, H, T, D = q.shape
     if k.dim() != 4 or v.shape != k.shape or k.shape[0] != B or k.shape[3] != D or H % k.shape[1]:
         return None
@@ -361,7 +363,7 @@ def prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     out_strides = (ctypes.c_int64 * 3)(out.stride(0), out.stride(1), out.stride(2))
     status = _ops["prompt_attention"](q.data_ptr(), strides[0], k.data_ptr(), strides[1], v.data_ptr(), strides[2],
                                       mask.data_ptr() if mask is not None else None, mask_strides, out.data_ptr(),
-                                      out_strides, B, H, k.shape[1], T, L, D, scale, _threads())  # fmt: skip
+                                      out_strides, B, H, k.shape[1], T, L, D, scale, int(bf16), _threads())  # fmt: skip
     return out if status == 0 else None
 
 

@@ -354,6 +354,208 @@ static void prompt_tiles(void* ctx, uint32_t begin, uint32_t end) {
 #define PROMPT_TILES 1
 #endif
 
+#if defined(PROMPT_TILES) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__linux__)
+#include "amx.h"
+// ---- the same attention on bfloat16 tiles: --activation-quant int8's prompt passes --------------------
+//
+// Where that setting's products go in bfloat16 (passes of quant_i8.c's BF16_ROWS rows or more, vLLM's
+// numbers), its prompt attention may too: q, k, v and the softmax's weights rounded to bfloat16, every
+// product summed in float32 by TDPBF16PS, the softmax itself in float32. One work item per (sequence, kv
+// head, 32 (query, head) pairs), the pairs as in prompt_tiles. In two passes over the keys, not a running
+// softmax: the scores of the item's 32 rows against every key any of them sees (tiles 0-3 for two row
+// tiles by two blocks of 16 keys), then each row's softmax in place, its weights rounded into a row of P,
+// then P · V (tiles 0-3 for two row tiles by 32 values of D). The keys and values are laid out as the
+// tiles' B operand once per (sequence, kv head) and thread, for the keys its items need. A row's numbers
+// depend on its own query, keys and values only: keys past the ones it sees weigh exactly 0, and the
+// rows past a pass's last (zeros) are never written.
+#define BF16_ATTN_KEYS 8192  // keys past which the float32 form runs (an item's scores would leave L2)
+
+int kvlab_t16_available(void);
+
+typedef struct {
+    const Prompt* p;
+    uint16_t *kt, *vt;  // each (sequence, kv head)'s keys and values as B tiles of 1 KB, n · D values each
+    int64_t n;          // keys laid out a (sequence, kv head): L rounded up to 32, zeros past L
+} Bf16Attention;
+
+// Keys 32j .. 32j + 31 (zeros past L) of sequence b's kv head g, work item (b, g, j), as the tiles' B
+// operand: kt tile (block i of 16 keys, values 32s .. 32s + 31) row r holds values 32s + 2r and 32s + 2r + 1
+// of the block's 16 keys; vt tile (keys 32j .. 32j + 31, values 16c .. 16c + 15) row r keys 32j + 2r, + 1
+static void bf16_lay_out(void* ctx, uint32_t begin, uint32_t end) {
+    const Bf16Attention* a = ctx;
+    const Prompt* p = a->p;
+    const int64_t D = p->D, L = p->L, steps = a->n / 32;
+    for (uint32_t item = begin; item < end; item++) {
+        const int64_t j = item % steps, g = item / steps % p->Hkv, b = item / steps / p->Hkv;
+        const float* K = p->k + b * p->ks[0] + g * p->ks[1];
+        const float* V = p->v + b * p->vs[0] + g * p->vs[1];
+        uint16_t *kt = a->kt + (b * p->Hkv + g) * a->n * D, *vt = a->vt + (b * p->Hkv + g) * a->n * D;
+        for (int64_t i = 2 * j; i < 2 * j + 2; i++)
+            for (int64_t s = 0; s < D / 32; s++) {
+                __m512 r[16];
+                for (int k = 0; k < 16; k++) {
+                    const int64_t key = 16 * i + k;
+                    const float* row = K + key * p->ks[2] + 32 * s;
+                    r[k] = key < L ? (__m512)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(row + 16), _mm512_loadu_ps(row))
+                                   : _mm512_setzero_ps();
+                }
+                transpose16(r);  // lane k of r[c]: values 2c, 2c + 1 of key k
+                uint16_t* tile = kt + (i * (D / 32) + s) * 512;
+                for (int c = 0; c < 16; c++) _mm512_store_ps(tile + 32 * c, r[c]);
+            }
+        for (int64_t c = 0; c < D / 16; c++) {
+            uint16_t* tile = vt + (j * (D / 16) + c) * 512;
+            for (int r = 0; r < 16; r++) {
+                const int64_t key = 32 * j + 2 * r;
+                const __m512 lo = key < L ? _mm512_loadu_ps(V + key * p->vs[2] + 16 * c) : _mm512_setzero_ps();
+                const __m512 hi = key + 1 < L ? _mm512_loadu_ps(V + (key + 1) * p->vs[2] + 16 * c) : _mm512_setzero_ps();
+                _mm512_store_si512(tile + 32 * r, bf16_pairs(lo, hi));
+            }
+        }
+    }
+}
+
+// Tiles 0-3 = rows 0-15 and 16-31 of A (bfloat16, `width` a row: tiles 4, 5) times B0 and B1 (tiles 6, 7),
+// summed over `steps` steps of 32 values of A's rows, B0's and B1's tiles `b_step` values apart
+static inline void tiles_2x2(const uint16_t* a, int64_t width, const uint16_t* b0, const uint16_t* b1, int64_t b_step,
+                             int64_t steps) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t s = 0; s < steps; s++) {
+        _tile_loadd(4, a + 32 * s, width * 2);
+        _tile_loadd(5, a + 16 * width + 32 * s, width * 2);
+        _tile_loadd(6, b0 + s * b_step, 64);
+        _tile_loadd(7, b1 + s * b_step, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+    }
+}
+
+// Work item (b, g, block): the block's 32 (query, head) pairs of sequence b's kv head g
+static void bf16_attention_item(const Bf16Attention* a, uint32_t item, uint16_t* qb, float* S, uint16_t* pb) {
+    const Prompt* p = a->p;
+    const int64_t D = p->D, L = p->L, T = p->T, group = p->H / p->Hkv, blocks = (T * group + 31) / 32;
+    const int64_t blk = item % blocks, g = item / blocks % p->Hkv, b = item / blocks / p->Hkv, r0 = 32 * blk;
+    const int64_t rows = T * group - r0 < 32 ? T * group - r0 : 32;  // (query, head) pair i: row r0 + i
+    const uint16_t *kt = a->kt + (b * p->Hkv + g) * a->n * D, *vt = a->vt + (b * p->Hkv + g) * a->n * D;
+    int64_t seen[32], most = 0;  // keys each row's query sees (causal: up to its own position)
+    for (int64_t i = 0; i < rows; i++) {
+        const int64_t t = (r0 + i) / group;
+        seen[i] = t + L - T + 1 < L ? t + L - T + 1 : L;
+        most = seen[i] > most ? seen[i] : most;
+    }
+    const int64_t n = (most + 31) / 32 * 32;  // keys through the tiles: whole pairs of 16-key blocks
+    for (int64_t i = 0; i < 32; i++)            // the queries as bfloat16 rows (zeros past the pass's last)
+        for (int64_t d = 0; d < D; d += 32) {
+            __m512i v = _mm512_setzero_si512();
+            if (i < rows) {
+                const float* q = p->q + b * p->qs[0] + (g * group + (r0 + i) % group) * p->qs[1] + (r0 + i) / group * p->qs[2] + d;
+                v = (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(q + 16), _mm512_loadu_ps(q));
+            }
+            _mm512_store_si512(qb + i * D + d, v);
+        }
+    // S [32, n]: rows 0-15 and 16-31 against blocks of 16 keys j, j + 1, over D 32 values a step
+    for (int64_t j = 0; j < n / 16; j += 2) {
+        tiles_2x2(qb, D, kt + j * (D / 32) * 512, kt + (j + 1) * (D / 32) * 512, 512, D / 32);
+        _tile_stored(0, S + 16 * j, n * 4);
+        _tile_stored(1, S + 16 * j + 16, n * 4);
+        _tile_stored(2, S + 16 * n + 16 * j, n * 4);
+        _tile_stored(3, S + 16 * n + 16 * j + 16, n * 4);
+    }
+    // each row's softmax: scaled, masked, its weights e^(s − top) rounded into P (zeros past its keys)
+    float inv[32];
+    const __m512 scale = _mm512_set1_ps(p->scale), minus_inf = _mm512_set1_ps(-INFINITY);
+    for (int64_t i = 0; i < 32; i++) {
+        float* s = S + i * n;
+        uint16_t* w = pb + i * n;
+        const int64_t keys = i < rows ? seen[i] : 0;
+        const uint8_t* m = p->mask && keys ? p->mask + b * p->ms[0] + (r0 + i) / group * p->ms[1] : NULL;
+        __m512 top = minus_inf;
+        for (int64_t j = 0; j < keys; j += 16) {
+            __mmask16 allowed = keys - j >= 16 ? 0xFFFF : (__mmask16)((1u << (keys - j)) - 1);
+            if (m) {
+                uint8_t bytes[16] = {0};
+                memcpy(bytes, m + j, keys - j >= 16 ? 16 : (size_t)(keys - j));
+                allowed &= _mm_test_epi8_mask(_mm_loadu_si128((const __m128i*)bytes), _mm_set1_epi8((char)0xFF));
+            }
+            const __m512 v = _mm512_mask_mov_ps(minus_inf, allowed, _mm512_mul_ps(_mm512_loadu_ps(s + j), scale));
+            _mm512_storeu_ps(s + j, v);
+            top = _mm512_max_ps(top, v);
+        }
+        const float most_score = keys ? _mm512_reduce_max_ps(top) : -INFINITY;
+        __m512 sum = _mm512_setzero_ps();
+        for (int64_t j = 0; j < n; j += 32) {
+            __m512 e[2];
+            for (int h = 0; h < 2; h++) {
+                const int64_t left = keys - j - 16 * h;  // of the row's keys, from this vector's first
+                e[h] = _mm512_setzero_ps();
+                if (most_score != -INFINITY && left > 0) {
+                    const __mmask16 in = left >= 16 ? 0xFFFF : (__mmask16)((1u << left) - 1);
+                    e[h] = _mm512_maskz_mov_ps(in, exp16(_mm512_sub_ps(_mm512_loadu_ps(s + j + 16 * h), _mm512_set1_ps(most_score))));
+                    sum = _mm512_add_ps(sum, e[h]);
+                }
+            }
+            _mm512_store_si512(w + j, (__m512i)_mm512_cvtne2ps_pbh(e[1], e[0]));
+        }
+        const float total = _mm512_reduce_add_ps(sum);
+        inv[i] = total > 0.0f ? 1.0f / total : 0.0f;  // no key to look at: zeros, as the other forms
+    }
+    // O [32, D] = P · V, 32 values of D at a time: rows 0-15 and 16-31 over the keys, 32 a step
+    float o[32 * 32] __attribute__((aligned(64)));
+    for (int64_t c = 0; c < D / 16; c += 2) {
+        tiles_2x2(pb, n, vt + c * 512, vt + (c + 1) * 512, (D / 16) * 512, n / 32);
+        _tile_stored(0, o, 128);
+        _tile_stored(1, o + 16, 128);
+        _tile_stored(2, o + 16 * 32, 128);
+        _tile_stored(3, o + 16 * 32 + 16, 128);
+        for (int64_t i = 0; i < rows; i++) {
+            float* out = out_row(p, b, g * group + (r0 + i) % group, (r0 + i) / group) + 16 * c;
+            const __m512 f = _mm512_set1_ps(inv[i]);
+            _mm512_storeu_ps(out, _mm512_mul_ps(_mm512_load_ps(o + 32 * i), f));
+            _mm512_storeu_ps(out + 16, _mm512_mul_ps(_mm512_load_ps(o + 32 * i + 16), f));
+        }
+    }
+}
+
+static void bf16_attention_items(void* ctx, uint32_t begin, uint32_t end) {
+    const Bf16Attention* a = ctx;
+    const int64_t D = a->p->D, n = a->n;
+    uint16_t* qb = aligned_alloc(64, 32 * D * 2);
+    float* S = aligned_alloc(64, 32 * n * sizeof(float));
+    uint16_t* pb = aligned_alloc(64, 32 * n * 2);
+    if (qb && S && pb) {
+        tiles_square();
+        for (uint32_t item = begin; item < end; item++) bf16_attention_item(a, item, qb, S, pb);
+        _tile_release();
+    } else {
+        __atomic_store_n(&((Prompt*)a->p)->failed, 1, __ATOMIC_RELAXED);
+    }
+    free(qb), free(S), free(pb);
+}
+
+// The pass on bfloat16 tiles: its keys and values laid out, then its blocks of 32 (query, head) pairs,
+// several a claim (each claim allocates its scores); -1 without memory
+static int bf16_attention(Prompt* p, int threads) {
+    const int64_t n = (p->L + 31) / 32 * 32, pairs = p->B * p->Hkv;
+    Bf16Attention a = {p, aligned_alloc(64, pairs * n * p->D * 2), aligned_alloc(64, pairs * n * p->D * 2), n};
+    if (a.kt && a.vt) {
+        kvlab_pool_run(bf16_lay_out, &a, (uint32_t)(pairs * (n / 32)), 1, threads);
+        const int64_t items = pairs * ((p->T * (p->H / p->Hkv) + 31) / 32);
+        const int64_t chunk = items / (8 * (threads > 1 ? threads : 1));
+        kvlab_pool_run(bf16_attention_items, &a, (uint32_t)items, (uint32_t)(chunk > 1 ? chunk : 1), threads);
+    } else {
+        p->failed = 1;
+    }
+    free(a.kt), free(a.vt);
+    return p->failed ? -1 : 0;
+}
+#define PROMPT_BF16 1
+#endif
+
 // out [B, H, T, D] = softmax(q · kᵀ · scale) · v per query head, q [B, H, T, D], k and v [B, Hkv, L, D]
 // (each, out too, the last dimension contiguous, the rest at the strides given, in floats; the caller lays
 // out out [B, T, H, D], a token's heads side by side as the output projection reads them), the T queries
@@ -362,9 +564,14 @@ static void prompt_tiles(void* ctx, uint32_t begin, uint32_t end) {
 // for the scores (out then incomplete).
 int kvlab_prompt_attention(const float* q, const int64_t* qs, const float* k, const int64_t* ks, const float* v,
                             const int64_t* vs, const uint8_t* mask, const int64_t* ms, float* out, const int64_t* os,
-                            int64_t B, int64_t H, int64_t Hkv, int64_t T, int64_t L, int64_t D, float scale, int threads) {
+                            int64_t B, int64_t H, int64_t Hkv, int64_t T, int64_t L, int64_t D, float scale, int bf16,
+                            int threads) {
     Prompt p = {q, k, v, mask, out, B, H, Hkv, T, L, D, {qs[0], qs[1], qs[2]}, {ks[0], ks[1], ks[2]},
                 {vs[0], vs[1], vs[2]}, {os[0], os[1], os[2]}, {mask ? ms[0] : 0, mask ? ms[1] : 0}, scale, 0};
+#if defined(PROMPT_BF16)
+    if (bf16 && D % 32 == 0 && D <= 256 && L <= BF16_ATTN_KEYS && kvlab_t16_available()) return bf16_attention(&p, threads);
+#endif
+    (void)bf16;
 #if defined(PROMPT_TILES)
     if (D == 64 || D == 128 || D == 256) {
         kvlab_pool_run(prompt_tiles, &p, (uint32_t)(B * Hkv * ((T + PROMPT_TILE - 1) / PROMPT_TILE)), 1, threads);

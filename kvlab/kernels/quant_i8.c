@@ -46,6 +46,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "amx.h"  // the tiles' configuration, bfloat16 pairs
 #include "pool.h"
 #include "quant_i8.h"
 #include "vec8.h"  // gated8: a gated MLP's activation, the bits gemv.c's gives
@@ -676,12 +677,6 @@ static int amx_available(void) {
     return amx_granted;
 }
 
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} TileConfig;
-
 static void amx_configure(const Layout* l) {
     TileConfig c;
     memset(&c, 0, sizeof c);
@@ -689,8 +684,7 @@ static void amx_configure(const Layout* l) {
     for (int t = 0; t < 8; t++) c.rows[t] = AMX_M, c.colsb[t] = 64;
     c.colsb[4] = c.colsb[5] = (uint16_t)l->S;         // a sub-block of activations a row
     c.rows[6] = c.rows[7] = (uint8_t)(l->S / 4);      // a group's code registers
-    __asm__ volatile("" : : "r"(&c) : "memory");      // GCC otherwise drops the stores the load reads
-    _tile_loadconfig(&c);
+    tiles_load(&c);
 }
 
 // Tile T (0-3) gets a group's sums: activations into tile A, codes (64 bytes a row) into B. SIGNED: the
@@ -814,14 +808,6 @@ static void amx_item(const Product* p, const uint8_t* item, int64_t i0, const ui
 // 384: 322-331; SmolLM2's 576-wide blocks fit whole and gain nothing)
 #define BF16_K_CHUNK 256
 
-// (lo[r], hi[r]) as bfloat16 in 32-bit lane r: two consecutive values of K of output row r, the pair
-// the tiles' B operand holds
-static inline __m512i bf16_pairs(__m512 lo, __m512 hi) {
-    const __m512i order = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
-                                           21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);  // fmt: skip
-    return _mm512_permutexvar_epi16(order, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
-}
-
 // An item's weights as bfloat16 pairs: panel row p (64 bytes) holds values 2p and 2p + 1 of K for its 16
 // output rows; group b fills rows b·S/2 onwards
 static void panel_of(const Layout* l, const uint8_t* item, int64_t groups, uint32_t* panel) {
@@ -864,15 +850,6 @@ typedef struct {
     int act;
 } Bf16Product;
 
-static void bf16_configure(void) {
-    TileConfig c;
-    memset(&c, 0, sizeof c);
-    c.palette = 1;
-    for (int t = 0; t < 8; t++) c.rows[t] = 16, c.colsb[t] = 64;
-    __asm__ volatile("" : : "r"(&c) : "memory");
-    _tile_loadconfig(&c);
-}
-
 // Pairs of items a product has: (items + 1) / 2 of one matrix, or a gated MLP's I / 16 (gate's and up's)
 static int64_t bf16_pairs_of(const Bf16Product* p) {
     const int64_t items = (p->out + LANES - 1) / LANES;
@@ -909,7 +886,7 @@ static void bf16_runs_of_pairs(void* ctx, uint32_t begin, uint32_t end) {
         free(parts);
         return;
     }
-    bf16_configure();
+    tiles_square();
     for (int64_t run = begin; run < end; run++) {
         const int64_t q0 = p->per * run, q1 = q0 + p->per < pairs ? q0 + p->per : pairs;
         for (int64_t q = q0; q < q1; q++) {
@@ -1134,8 +1111,7 @@ static void exact_configure(int S, int rows) {
     for (int t = 0; t < 8; t++) c.rows[t] = (uint8_t)rows, c.colsb[t] = 64;
     for (int t = 2; t < 5; t++) c.colsb[t] = (uint16_t)(2 * S);  // A: a group of activations a row
     c.rows[5] = c.rows[6] = (uint8_t)(S / 2);                   // B: a group's codes as bfloat16 pairs
-    __asm__ volatile("" : : "r"(&c) : "memory");
-    _tile_loadconfig(&c);
+    tiles_load(&c);
 }
 
 // Group b's three products into C tile T (B in tile U); A parts at x (stride 2S bytes)

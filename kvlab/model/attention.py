@@ -11,6 +11,8 @@ batch of sequences of different lengths, the padding keys past each one's end.
   sequence in float32 on a CPU runs the kernels' C version where the ops in force have one (CpuOps:
   kernels/gemv.py's prompt_attention, on the kernels' pool; SmolLM2, int8 activations, 2 threads, a
   pass of 8 prompts of 64 tokens: 26-33 -> 16-19 ms of attention, one prompt of 1,024: 345 -> 214 ms).
+  `bf16` (a layer's `prompt_bf16`, set by the int8 setting: kvlab.quant.activations): such passes of as
+  many queries as the setting's bfloat16 products take go on AMX tiles in bfloat16 instead.
 - `materialized`: the textbook form, scores = q kᵀ / √D as one [B, H, T, L] tensor, masked,
   softmaxed, times v. Kept for the lab, to show what fusing saves at long prompts.
 """
@@ -37,7 +39,7 @@ class Softmax:
     sinks: torch.Tensor | None = None
 
 
-def sdpa_attention(q, k, v, meta: AttentionMetadata, scale: float | None = None) -> torch.Tensor:
+def sdpa_attention(q, k, v, meta: AttentionMetadata, scale: float | None = None, bf16: bool = False) -> torch.Tensor:
     B, H, T, D = q.shape
     Hkv = k.shape[1]
     if T == 1 and H != Hkv:
@@ -48,7 +50,7 @@ def sdpa_attention(q, k, v, meta: AttentionMetadata, scale: float | None = None)
         out = F.scaled_dot_product_attention(grouped, k, v, attn_mask=meta.attn_mask, scale=scale)
         return out.reshape(B, H, 1, D)  # a GPU kernel may hand back [B, Hkv, g, D] in another layout
     if meta.attn_mask is not None or meta.is_causal:  # (the C version's queries see keys up to their own only)
-        out = current_ops().prompt_attention(q, k, v, meta.attn_mask, 1 / math.sqrt(D) if scale is None else scale)
+        out = current_ops().prompt_attention(q, k, v, meta.attn_mask, 1 / math.sqrt(D) if scale is None else scale, bf16)
         if out is not None:
             return out
     return F.scaled_dot_product_attention(q, k, v, attn_mask=meta.attn_mask, is_causal=meta.is_causal, enable_gqa=True,

@@ -61,6 +61,7 @@ class Attention(nn.Module):
         # gpt-oss: one learned sink logit per query head in every softmax [H]
         self.sinks = Vector(self.num_heads) if mixer.sinks else None  # gpt-oss's sink logit per head
         self.attend = sdpa_attention  # see kvlab.model.attention; Transformer.set_attention swaps it
+        self.prompt_bf16 = False  # prompt passes' attention in bfloat16 (the int8 setting's: quant/activations.py)
 
     def forward(self, x, cos, sin, cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         B, T, _ = x.shape
@@ -79,6 +80,8 @@ class Attention(nn.Module):
 
         # the cache stores k, v and runs the attention over every key each query may see
         attention = self.attend if self.scale is None else functools.partial(self.attend, scale=self.scale)
+        if self.prompt_bf16 and self.attend is sdpa_attention:
+            attention = functools.partial(sdpa_attention, scale=self.scale, bf16=True)
         if self.sinks is not None:
             attention = functools.partial(sink_attention, sinks=self.sinks.weight, scale=self.scale)
         # what it computes, where the cache may read its keys itself (not the lab's materialized attention)

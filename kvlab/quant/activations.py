@@ -58,14 +58,15 @@ def check_activation_quant(value: str | None) -> None:
 
 def setting_name(activation_quant: str) -> str:
     """The setting as this machine computes it, as run's notes and kept quality verdicts name it: "int8
-    activations", plus ", bfloat16 passes from 64 rows" where AMX tiles take passes of that many rows in
-    bfloat16 (kernels/quant_i8.c): the two compute different numbers, so each has its own measurement."""
+    activations", plus ", bfloat16 passes and prompt attention from 64 rows" where AMX tiles take passes
+    of that many rows in bfloat16 (kernels/quant_i8.c), and a prompt pass's attention of that many queries
+    (kernels/prompt_attention.c): the two compute different numbers, so each has its own measurement."""
     from kvlab.kernels import quant
 
     if activation_quant == "bf16x3":
         return "bf16x3 activations (exact, on bfloat16 tiles)"
     rows = quant.bf16_prompt_rows() if activation_quant == "int8" else 0
-    return f"{activation_quant} activations" + (f", bfloat16 passes from {rows} rows" if rows else "")
+    return f"{activation_quant} activations" + (f", bfloat16 passes and prompt attention from {rows} rows" if rows else "")
 
 
 def with_int8_activations(loaded):
@@ -137,6 +138,12 @@ def with_activation_setting(loaded, setting: str):
     if not converted:
         raise KvlabError(f"{flag} applies to matrices in GGUF block formats (a .gguf file, or "
                          "--quantization q8_0 / q4_0); this model has none")  # fmt: skip
+    from kvlab.model.transformer import Attention
+
+    prompt_bf16 = setting == "int8" and quant.bf16_prompt_rows() > 0  # the prompt passes' attention too
+    for module in loaded.model.modules():
+        if isinstance(module, Attention):
+            module.prompt_bf16 = prompt_bf16
     note = setting_name(setting) + (f" ({kept} matrices on the exact blocks)" if kept else "")
     return dataclasses.replace(loaded, weight_format=f"{loaded.weight_format}, {note}")
 
