@@ -359,7 +359,28 @@ def test_c_prompt_attention_on_bfloat16_tiles(B, H, Hkv, T, L, D, masked):
 
 
 @needs_kernel
-def test_c_prompt_attention_on_tiles_gives_zeros_to_a_query_that_sees_no_key_and_leaves_other_shapes_to_float32():
+def test_c_prompt_attention_on_tiles_past_a_chunk_of_keys_rescales_as_it_goes():
+    """Past 4,096 keys (prompt_attention.c's BF16_ATTN_CHUNK) a work item's rows go chunk after chunk with a
+    running softmax: still the bfloat16 numbers (to their rounding), a row's bits its own in a batch; a mask
+    that hides the first chunk from some rows (their running softmax starts in the second)."""
+    from kvlab.kernels import quant
+
+    B, H, Hkv, T, L, D = 2, 4, 2, 24, 9000, 64
+    g = torch.Generator().manual_seed(9)
+    q, k, v = torch.randn(B, H, T, D, generator=g), torch.randn(B, Hkv, L, D, generator=g), torch.randn(B, Hkv, L, D, generator=g)
+    mask = _causal_mask(B, T, L)
+    mask[1, :, :12, :5000] = False  # sequence 1's first 12 queries see keys from 5,000 on only
+    got = gemv.prompt_attention(q, k, v, mask, 0.125, bf16=True)
+    if not quant.bf16_prompt_rows():
+        assert torch.equal(got, gemv.prompt_attention(q, k, v, mask, 0.125))
+        return
+    torch.testing.assert_close(got, _bf16_reference(q, k, v, mask, 0.125), rtol=0, atol=1e-2)
+    alone = gemv.prompt_attention(q[1:], k[1:], v[1:], mask[1:], 0.125, bf16=True)
+    assert torch.equal(alone, got[1:])
+
+
+@needs_kernel
+def test_c_prompt_attention_on_tiles_gives_zeros_to_a_query_that_sees_no_key_and_leaves_odd_heads_to_float32():
     B, H, Hkv, T, L = 1, 4, 2, 20, 40
     g = torch.Generator().manual_seed(0)
     q, k, v = torch.randn(B, H, T, 64, generator=g), torch.randn(B, Hkv, L, 64, generator=g), torch.randn(B, Hkv, L, 64, generator=g)
@@ -367,11 +388,9 @@ def test_c_prompt_attention_on_tiles_gives_zeros_to_a_query_that_sees_no_key_and
     mask[0, 0, 5] = False
     got = gemv.prompt_attention(q, k, v, mask, 0.125, bf16=True)
     assert torch.equal(got[:, :, 5], torch.zeros(B, H, 64)) and torch.isfinite(got).all()
-    # a head size off 32's multiples, or more keys than a work item's scores hold in L2: the float32 form
+    # a head size off 32's multiples: the float32 form
     q80, k80 = torch.randn(1, 2, 3, 80, generator=g), torch.randn(1, 1, 3, 80, generator=g)
     assert torch.equal(gemv.prompt_attention(q80, k80, k80, None, 0.1, bf16=True), gemv.prompt_attention(q80, k80, k80, None, 0.1))
-    q1, kl = torch.randn(1, 2, 1, 32, generator=g), torch.randn(1, 1, 8193, 32, generator=g)
-    assert torch.equal(gemv.prompt_attention(q1, kl, kl, None, 0.1, bf16=True), gemv.prompt_attention(q1, kl, kl, None, 0.1))
 
 
 @needs_kernel

@@ -338,8 +338,8 @@ def prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     sequence (prompt_attention.c's kvlab_prompt_attention, on the kernels' pool): q [B, H, T, D], k and v
     [B, Hkv, L, D], query t at position L − T + t seeing the keys up to its own and, with `mask` ([1 or B,
     1, T, L] bool, True = may look: a causal one), only those. `bf16`: on AMX tiles with q, k, v and the
-    weights rounded to bfloat16 (the int8 setting's prompt passes), where this machine has them, D is a
-    multiple of 32 up to 256 and L at most 8,192; else in float32. None where the C version does not take
+    weights rounded to bfloat16 (the int8 setting's prompt passes), where this machine has them and D is a
+    multiple of 32 up to 256; else in float32. None where the C version does not take
     the call (not float32 tensors on a CPU, another layout, no kernels): the caller runs PyTorch's."""
     B, H, T, D = q.shape
     if k.dim() != 4 or v.shape != k.shape or k.shape[0] != B or k.shape[3] != D or H % k.shape[1]:

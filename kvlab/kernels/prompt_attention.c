@@ -361,16 +361,17 @@ static void prompt_tiles(void* ctx, uint32_t begin, uint32_t end) {
 // Where that setting's products go in bfloat16 (passes of quant_i8.c's BF16_ROWS rows or more, vLLM's
 // numbers), its prompt attention may too: q, k, v and the softmax's weights rounded to bfloat16, every
 // product summed in float32 by TDPBF16PS, the softmax itself in float32. One work item per (sequence, kv
-// head, 32 (query, head) pairs), the pairs as in prompt_tiles. In two passes over the keys, not a running
-// softmax: the scores of the item's 32 rows against every key any of them sees (tiles 0-3 for two row
-// tiles by two blocks of 16 keys), then each row's softmax in place, its weights rounded into a row of P,
-// then P · V (tiles 0-3 for two row tiles by 32 values of D). The keys and values are laid out as the
+// head, 32 (query, head) pairs), the pairs as in prompt_tiles. Up to BF16_ATTN_CHUNK keys in two passes,
+// no running softmax: the scores of the item's 32 rows against every key any of them sees (tiles 0-3 for
+// two row tiles by two blocks of 16 keys), then each row's softmax in place, its weights rounded into a row
+// of P, then P · V (tiles 0-3 for two row tiles by 32 values of D); more keys, chunk after chunk of that
+// many, the output rescaled between them. The keys and values are laid out as the
 // tiles' B operand once a pass, a pool job of their own before the items' (laid out per work item, one
 // item a claim: SmolLM2's heads on 2 threads, 4 x 256 tokens 2.0 ms a layer, 1 x 1,024 5.2; this way 1.3
 // and 3.7, where the float32 form takes 2.4-2.8 and 8.0-13.3). A row's numbers depend on its own query,
 // keys and values only: keys past the ones it sees weigh exactly 0, and the rows past a pass's last
 // (zeros) are never written.
-#define BF16_ATTN_KEYS 8192  // keys past which the float32 form runs (an item's scores would leave L2)
+#define BF16_ATTN_CHUNK 4096  // keys a work item's scores hold at once (512 KB, in L2); more: a running softmax
 
 int kvlab_t16_available(void);
 
@@ -437,14 +438,17 @@ static inline void tiles_2x2(const uint16_t* a, int64_t width, const uint16_t* b
     }
 }
 
-// Work item (b, g, block): the block's 32 (query, head) pairs of sequence b's kv head g
-static void bf16_attention_item(const Bf16Attention* a, uint32_t item, uint16_t* qb, float* S, uint16_t* pb) {
+// Work item (b, g, block): the block's 32 (query, head) pairs of sequence b's kv head g, BF16_ATTN_CHUNK keys
+// at a time: a row's largest score so far and its weights' sum (run_m, run_l), its output so far in acc
+// [32, D], rescaled when a later chunk holds a larger score (FlashAttention's running softmax)
+static void bf16_attention_item(const Bf16Attention* a, uint32_t item, uint16_t* qb, float* S, uint16_t* pb,
+                                float* acc) {
     const Prompt* p = a->p;
     const int64_t D = p->D, L = p->L, T = p->T, group = p->H / p->Hkv, blocks = (T * group + 31) / 32;
     const int64_t blk = item % blocks, g = item / blocks % p->Hkv, b = item / blocks / p->Hkv, r0 = 32 * blk;
     const int64_t rows = T * group - r0 < 32 ? T * group - r0 : 32;  // (query, head) pair i: row r0 + i
     const uint16_t *kt = a->kt + (b * p->Hkv + g) * a->n * D, *vt = a->vt + (b * p->Hkv + g) * a->n * D;
-    int64_t seen[32], most = 0;  // keys each row's query sees (causal: up to its own position)
+    int64_t seen[32] = {0}, most = 0;  // keys each row's query sees (causal: up to its own position)
     for (int64_t i = 0; i < rows; i++) {
         const int64_t t = (r0 + i) / group;
         seen[i] = t + L - T + 1 < L ? t + L - T + 1 : L;
@@ -460,83 +464,99 @@ static void bf16_attention_item(const Bf16Attention* a, uint32_t item, uint16_t*
             }
             _mm512_store_si512(qb + i * D + d, v);
         }
-    // S [32, n]: rows 0-15 and 16-31 against blocks of 16 keys j, j + 1, over D 32 values a step
-    for (int64_t j = 0; j < n / 16; j += 2) {
-        tiles_2x2(qb, D, kt + j * (D / 32) * 512, kt + (j + 1) * (D / 32) * 512, 512, D / 32);
-        _tile_stored(0, S + 16 * j, n * 4);
-        _tile_stored(1, S + 16 * j + 16, n * 4);
-        _tile_stored(2, S + 16 * n + 16 * j, n * 4);
-        _tile_stored(3, S + 16 * n + 16 * j + 16, n * 4);
-    }
-    // each row's softmax: scaled, masked, its weights e^(s − top) rounded into P (zeros past its keys)
-    float inv[32];
+    float run_m[32], run_l[32];
+    for (int i = 0; i < 32; i++) run_m[i] = -INFINITY, run_l[i] = 0.0f;
     const __m512 scale = _mm512_set1_ps(p->scale), minus_inf = _mm512_set1_ps(-INFINITY);
-    for (int64_t i = 0; i < 32; i++) {
-        float* s = S + i * n;
-        uint16_t* w = pb + i * n;
-        const int64_t keys = i < rows ? seen[i] : 0;
-        const uint8_t* m = p->mask && keys ? p->mask + b * p->ms[0] + (r0 + i) / group * p->ms[1] : NULL;
-        __m512 top = minus_inf;
-        for (int64_t j = 0; j < keys; j += 16) {
-            __mmask16 allowed = keys - j >= 16 ? 0xFFFF : (__mmask16)((1u << (keys - j)) - 1);
-            if (m) {
-                uint8_t bytes[16] = {0};
-                memcpy(bytes, m + j, keys - j >= 16 ? 16 : (size_t)(keys - j));
-                allowed &= _mm_test_epi8_mask(_mm_loadu_si128((const __m128i*)bytes), _mm_set1_epi8((char)0xFF));
-            }
-            const __m512 v = _mm512_mask_mov_ps(minus_inf, allowed, _mm512_mul_ps(_mm512_loadu_ps(s + j), scale));
-            _mm512_storeu_ps(s + j, v);
-            top = _mm512_max_ps(top, v);
+    for (int64_t c0 = 0; c0 < n; c0 += BF16_ATTN_CHUNK) {
+        const int64_t nc = n - c0 < BF16_ATTN_CHUNK ? n - c0 : BF16_ATTN_CHUNK;  // a multiple of 32
+        // S [32, nc]: rows 0-15 and 16-31 against blocks of 16 keys j, j + 1, over D 32 values a step
+        for (int64_t j = 0; j < nc / 16; j += 2) {
+            const int64_t at = c0 / 16 + j;
+            tiles_2x2(qb, D, kt + at * (D / 32) * 512, kt + (at + 1) * (D / 32) * 512, 512, D / 32);
+            _tile_stored(0, S + 16 * j, nc * 4);
+            _tile_stored(1, S + 16 * j + 16, nc * 4);
+            _tile_stored(2, S + 16 * nc + 16 * j, nc * 4);
+            _tile_stored(3, S + 16 * nc + 16 * j + 16, nc * 4);
         }
-        const float most_score = keys ? _mm512_reduce_max_ps(top) : -INFINITY;
-        __m512 sum = _mm512_setzero_ps();
-        for (int64_t j = 0; j < n; j += 32) {
-            __m512 e[2];
-            for (int h = 0; h < 2; h++) {
-                const int64_t left = keys - j - 16 * h;  // of the row's keys, from this vector's first
-                e[h] = _mm512_setzero_ps();
-                if (most_score != -INFINITY && left > 0) {
-                    const __mmask16 in = left >= 16 ? 0xFFFF : (__mmask16)((1u << left) - 1);
-                    e[h] = _mm512_maskz_mov_ps(in, exp16(_mm512_sub_ps(_mm512_loadu_ps(s + j + 16 * h), _mm512_set1_ps(most_score))));
-                    sum = _mm512_add_ps(sum, e[h]);
+        // each row's softmax over the chunk: scaled, masked, its weights e^(s − top so far) rounded into P
+        // (zeros past its keys); keep: what its output so far keeps (e^(old top − new top))
+        float keep[32];
+        for (int64_t i = 0; i < 32; i++) {
+            float* s = S + i * nc;
+            uint16_t* w = pb + i * nc;
+            const int64_t keys = seen[i] - c0 < 0 ? 0 : seen[i] - c0 < nc ? seen[i] - c0 : nc;
+            const uint8_t* m = p->mask && keys ? p->mask + b * p->ms[0] + (r0 + i) / group * p->ms[1] + c0 : NULL;
+            __m512 top = minus_inf;
+            for (int64_t j = 0; j < keys; j += 16) {
+                __mmask16 allowed = keys - j >= 16 ? 0xFFFF : (__mmask16)((1u << (keys - j)) - 1);
+                if (m) {
+                    uint8_t bytes[16] = {0};
+                    memcpy(bytes, m + j, keys - j >= 16 ? 16 : (size_t)(keys - j));
+                    allowed &= _mm_test_epi8_mask(_mm_loadu_si128((const __m128i*)bytes), _mm_set1_epi8((char)0xFF));
                 }
+                const __m512 v = _mm512_mask_mov_ps(minus_inf, allowed, _mm512_mul_ps(_mm512_loadu_ps(s + j), scale));
+                _mm512_storeu_ps(s + j, v);
+                top = _mm512_max_ps(top, v);
             }
-            _mm512_store_si512(w + j, (__m512i)_mm512_cvtne2ps_pbh(e[1], e[0]));
+            const float chunk_top = keys ? _mm512_reduce_max_ps(top) : -INFINITY;
+            const float most_score = chunk_top > run_m[i] ? chunk_top : run_m[i];
+            __m512 sum = _mm512_setzero_ps();
+            for (int64_t j = 0; j < nc; j += 32) {
+                __m512 e[2];
+                for (int h = 0; h < 2; h++) {
+                    const int64_t left = keys - j - 16 * h;  // of the row's keys, from this vector's first
+                    e[h] = _mm512_setzero_ps();
+                    if (most_score != -INFINITY && left > 0) {
+                        const __mmask16 in = left >= 16 ? 0xFFFF : (__mmask16)((1u << left) - 1);
+                        e[h] = _mm512_maskz_mov_ps(in, exp16(_mm512_sub_ps(_mm512_loadu_ps(s + j + 16 * h), _mm512_set1_ps(most_score))));
+                        sum = _mm512_add_ps(sum, e[h]);
+                    }
+                }
+                _mm512_store_si512(w + j, (__m512i)_mm512_cvtne2ps_pbh(e[1], e[0]));
+            }
+            keep[i] = run_m[i] == -INFINITY ? 0.0f : run_m[i] == most_score ? 1.0f : expf(run_m[i] - most_score);
+            run_l[i] = run_l[i] * keep[i] + _mm512_reduce_add_ps(sum);
+            run_m[i] = most_score;
         }
-        const float total = _mm512_reduce_add_ps(sum);
-        inv[i] = total > 0.0f ? 1.0f / total : 0.0f;  // no key to look at: zeros, as the other forms
+        // the chunk's P · V, 32 values of D at a time: rows 0-15 and 16-31 over its keys, 32 a step
+        const uint16_t* vc = vt + c0 / 32 * (D / 16) * 512;
+        float o[32 * 32] __attribute__((aligned(64)));
+        for (int64_t c = 0; c < D / 16; c += 2) {
+            tiles_2x2(pb, nc, vc + c * 512, vc + (c + 1) * 512, (D / 16) * 512, nc / 32);
+            _tile_stored(0, o, 128);
+            _tile_stored(1, o + 16, 128);
+            _tile_stored(2, o + 16 * 32, 128);
+            _tile_stored(3, o + 16 * 32 + 16, 128);
+            for (int64_t i = 0; i < rows; i++)
+                for (int h = 0; h < 2; h++) {
+                    float* r = acc + i * D + 16 * (c + h);
+                    const __m512 part = _mm512_load_ps(o + 32 * i + 16 * h);
+                    _mm512_store_ps(r, c0 ? _mm512_fmadd_ps(_mm512_load_ps(r), _mm512_set1_ps(keep[i]), part) : part);
+                }
+        }
     }
-    // O [32, D] = P · V, 32 values of D at a time: rows 0-15 and 16-31 over the keys, 32 a step
-    float o[32 * 32] __attribute__((aligned(64)));
-    for (int64_t c = 0; c < D / 16; c += 2) {
-        tiles_2x2(pb, n, vt + c * 512, vt + (c + 1) * 512, (D / 16) * 512, n / 32);
-        _tile_stored(0, o, 128);
-        _tile_stored(1, o + 16, 128);
-        _tile_stored(2, o + 16 * 32, 128);
-        _tile_stored(3, o + 16 * 32 + 16, 128);
-        for (int64_t i = 0; i < rows; i++) {
-            float* out = out_row(p, b, g * group + (r0 + i) % group, (r0 + i) / group) + 16 * c;
-            const __m512 f = _mm512_set1_ps(inv[i]);
-            _mm512_storeu_ps(out, _mm512_mul_ps(_mm512_load_ps(o + 32 * i), f));
-            _mm512_storeu_ps(out + 16, _mm512_mul_ps(_mm512_load_ps(o + 32 * i + 16), f));
-        }
+    for (int64_t i = 0; i < rows; i++) {  // no key to look at: zeros, as the other forms
+        const __m512 f = _mm512_set1_ps(run_l[i] > 0.0f ? 1.0f / run_l[i] : 0.0f);
+        float* out = out_row(p, b, g * group + (r0 + i) % group, (r0 + i) / group);
+        for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(out + d, _mm512_mul_ps(_mm512_load_ps(acc + i * D + d), f));
     }
 }
 
 static void bf16_attention_items(void* ctx, uint32_t begin, uint32_t end) {
     const Bf16Attention* a = ctx;
-    const int64_t D = a->p->D, n = a->n;
+    const int64_t D = a->p->D, n = a->n < BF16_ATTN_CHUNK ? a->n : BF16_ATTN_CHUNK;
     uint16_t* qb = aligned_alloc(64, 32 * D * 2);
     float* S = aligned_alloc(64, 32 * n * sizeof(float));
     uint16_t* pb = aligned_alloc(64, 32 * n * 2);
-    if (qb && S && pb) {
+    float* acc = aligned_alloc(64, 32 * D * sizeof(float));
+    if (qb && S && pb && acc) {
         tiles_square();
-        for (uint32_t item = begin; item < end; item++) bf16_attention_item(a, item, qb, S, pb);
+        for (uint32_t item = begin; item < end; item++) bf16_attention_item(a, item, qb, S, pb, acc);
         _tile_release();
     } else {
         __atomic_store_n(&((Prompt*)a->p)->failed, 1, __ATOMIC_RELAXED);
     }
-    free(qb), free(S), free(pb);
+    free(qb), free(S), free(pb), free(acc);
 }
 
 // The pass on bfloat16 tiles: its keys and values laid out, then its blocks of 32 (query, head) pairs,
@@ -571,7 +591,7 @@ int kvlab_prompt_attention(const float* q, const int64_t* qs, const float* k, co
     Prompt p = {q, k, v, mask, out, B, H, Hkv, T, L, D, {qs[0], qs[1], qs[2]}, {ks[0], ks[1], ks[2]},
                 {vs[0], vs[1], vs[2]}, {os[0], os[1], os[2]}, {mask ? ms[0] : 0, mask ? ms[1] : 0}, scale, 0};
 #if defined(PROMPT_BF16)
-    if (bf16 && D % 32 == 0 && D <= 256 && L <= BF16_ATTN_KEYS && kvlab_t16_available()) return bf16_attention(&p, threads);
+    if (bf16 && D % 32 == 0 && D <= 256 && kvlab_t16_available()) return bf16_attention(&p, threads);
 #endif
     (void)bf16;
 #if defined(PROMPT_TILES)
