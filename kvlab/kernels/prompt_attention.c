@@ -582,8 +582,9 @@ static int bf16_attention(Prompt* p, int threads) {
 // (each, out too, the last dimension contiguous, the rest at the strides given, in floats; the caller lays
 // out out [B, T, H, D], a token's heads side by side as the output projection reads them), the T queries
 // the sequences' last: query t at position L − T + t sees keys up to its own, and of those only where
-// mask [b, t, key] (bytes, at strides ms; NULL: no mask) is nonzero. 0, or -1 where there was no memory
-// for the scores (out then incomplete).
+// mask [b, t, key] (bytes, at strides ms; NULL: no mask) is nonzero. bf16: in bfloat16 on AMX tiles
+// (bf16_attention) where they are built and granted and D is a multiple of 32 up to 256; else in float32.
+// 0, or -1 where there was no memory for the scores (out then incomplete).
 int kvlab_prompt_attention(const float* q, const int64_t* qs, const float* k, const int64_t* ks, const float* v,
                             const int64_t* vs, const uint8_t* mask, const int64_t* ms, float* out, const int64_t* os,
                             int64_t B, int64_t H, int64_t Hkv, int64_t T, int64_t L, int64_t D, float scale, int bf16,
