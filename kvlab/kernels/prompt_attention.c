@@ -149,6 +149,23 @@ typedef struct {
     float m, l;  // the largest score so far, the sum of weights relative to it
 } Running;
 
+// What a running softmax's output so far keeps when its largest score goes from `old` to `top`
+static inline float running_keep(float old, float top) {
+    return old == -INFINITY ? 0.0f : old == top ? 1.0f : expf(old - top);
+}
+
+// Which of 16 keys a query may look at: the first `left` of them (all from 16), and of those, with a mask
+// (bytes from m, NULL: none), those whose byte is nonzero
+static inline __mmask16 keys16(const uint8_t* m, int64_t left) {
+    __mmask16 allowed = left >= 16 ? 0xFFFF : (__mmask16)((1u << left) - 1);
+    if (m) {
+        uint8_t bytes[16] = {0};
+        memcpy(bytes, m, left >= 16 ? 16 : (size_t)left);
+        allowed &= _mm_test_epi8_mask(_mm_loadu_si128((const __m128i*)bytes), _mm_set1_epi8((char)0xFF));
+    }
+    return allowed;
+}
+
 // r[k] (row k of a 16 x 16 block) -> r[c] (column c): pairs of rows interleaved, then fours within each
 // 128-bit lane, then the lanes themselves (64 shuffles, not 256 scalar loads and stores)
 static inline __attribute__((always_inline)) void transpose16(__m512* r) {
@@ -270,13 +287,9 @@ static inline __attribute__((always_inline)) void prompt_tile(const Prompt* p, u
                         for (int half = 0; half <= two; half++) {
                             const int64_t j = j0 + 16 * half, over = seen[pair[k]] - 1 - j;  // its last key, in the block
                             if (over < 0) continue;  // a block past the pair's keys: zeros below
-                            __mmask16 allowed = over >= 15 ? 0xFFFF : (__mmask16)((1u << (over + 1)) - 1);
-                            if (p->mask) {
-                                const int64_t t = t0 + (r0 + pair[k]) / group;
-                                uint8_t bytes[16] = {0};
-                                memcpy(bytes, p->mask + b * p->ms[0] + t * p->ms[1] + c0 + j, over >= 15 ? 16 : (size_t)(over + 1));
-                                allowed &= _mm_test_epi8_mask(_mm_loadu_si128((const __m128i*)bytes), _mm_set1_epi8((char)0xFF));
-                            }
+                            const int64_t t = t0 + (r0 + pair[k]) / group;
+                            const __mmask16 allowed =
+                                keys16(p->mask ? p->mask + b * p->ms[0] + t * p->ms[1] + c0 + j : NULL, over + 1);
                             _mm512_storeu_ps(S + pair[k] * CHUNK_KEYS + j,
                                              _mm512_mask_mov_ps(minus_inf, allowed, _mm512_mul_ps(s[half][k], scale)));
                         }
@@ -304,7 +317,7 @@ static inline __attribute__((always_inline)) void prompt_tile(const Prompt* p, u
                     }
                 }
                 for (int64_t j = nb; j < blocks; j++) _mm512_storeu_ps(row + 16 * j, _mm512_setzero_ps());
-                keep[k] = r->m == -INFINITY ? 0.0f : r->m == m ? 1.0f : expf(r->m - m);
+                keep[k] = running_keep(r->m, m);
                 r->l = r->l * keep[k] + _mm512_reduce_add_ps(sum);
                 r->m = m;
                 inv[k] = r->l > 0.0f ? 1.0f / r->l : 0.0f;
@@ -439,7 +452,7 @@ static inline void tiles_2x2(const uint16_t* a, int64_t width, const uint16_t* b
 }
 
 // Work item (b, g, block): the block's 32 (query, head) pairs of sequence b's kv head g, BF16_ATTN_CHUNK keys
-// at a time: a row's largest score so far and its weights' sum (run_m, run_l), its output so far in acc
+// at a time: a row's largest score so far and its weights' sum (run), its output so far in acc
 // [32, D], rescaled when a later chunk holds a larger score (FlashAttention's running softmax)
 static void bf16_attention_item(const Bf16Attention* a, uint32_t item, uint16_t* qb, float* S, uint16_t* pb,
                                 float* acc) {
@@ -464,8 +477,8 @@ static void bf16_attention_item(const Bf16Attention* a, uint32_t item, uint16_t*
             }
             _mm512_store_si512(qb + i * D + d, v);
         }
-    float run_m[32], run_l[32];
-    for (int i = 0; i < 32; i++) run_m[i] = -INFINITY, run_l[i] = 0.0f;
+    Running run[32];
+    for (int i = 0; i < 32; i++) run[i] = (Running){-INFINITY, 0.0f};
     const __m512 scale = _mm512_set1_ps(p->scale), minus_inf = _mm512_set1_ps(-INFINITY);
     for (int64_t c0 = 0; c0 < n; c0 += BF16_ATTN_CHUNK) {
         const int64_t nc = n - c0 < BF16_ATTN_CHUNK ? n - c0 : BF16_ATTN_CHUNK;  // a multiple of 32
@@ -488,18 +501,13 @@ static void bf16_attention_item(const Bf16Attention* a, uint32_t item, uint16_t*
             const uint8_t* m = p->mask && keys ? p->mask + b * p->ms[0] + (r0 + i) / group * p->ms[1] + c0 : NULL;
             __m512 top = minus_inf;
             for (int64_t j = 0; j < keys; j += 16) {
-                __mmask16 allowed = keys - j >= 16 ? 0xFFFF : (__mmask16)((1u << (keys - j)) - 1);
-                if (m) {
-                    uint8_t bytes[16] = {0};
-                    memcpy(bytes, m + j, keys - j >= 16 ? 16 : (size_t)(keys - j));
-                    allowed &= _mm_test_epi8_mask(_mm_loadu_si128((const __m128i*)bytes), _mm_set1_epi8((char)0xFF));
-                }
+                const __mmask16 allowed = keys16(m ? m + j : NULL, keys - j);
                 const __m512 v = _mm512_mask_mov_ps(minus_inf, allowed, _mm512_mul_ps(_mm512_loadu_ps(s + j), scale));
                 _mm512_storeu_ps(s + j, v);
                 top = _mm512_max_ps(top, v);
             }
             const float chunk_top = keys ? _mm512_reduce_max_ps(top) : -INFINITY;
-            const float most_score = chunk_top > run_m[i] ? chunk_top : run_m[i];
+            const float most_score = chunk_top > run[i].m ? chunk_top : run[i].m;
             __m512 sum = _mm512_setzero_ps();
             for (int64_t j = 0; j < nc; j += 32) {
                 __m512 e[2];
@@ -514,9 +522,8 @@ static void bf16_attention_item(const Bf16Attention* a, uint32_t item, uint16_t*
                 }
                 _mm512_store_si512(w + j, (__m512i)_mm512_cvtne2ps_pbh(e[1], e[0]));
             }
-            keep[i] = run_m[i] == -INFINITY ? 0.0f : run_m[i] == most_score ? 1.0f : expf(run_m[i] - most_score);
-            run_l[i] = run_l[i] * keep[i] + _mm512_reduce_add_ps(sum);
-            run_m[i] = most_score;
+            keep[i] = running_keep(run[i].m, most_score);
+            run[i] = (Running){most_score, run[i].l * keep[i] + _mm512_reduce_add_ps(sum)};
         }
         // the chunk's P · V, 32 values of D at a time: rows 0-15 and 16-31 over its keys, 32 a step
         const uint16_t* vc = vt + c0 / 32 * (D / 16) * 512;
@@ -536,7 +543,7 @@ static void bf16_attention_item(const Bf16Attention* a, uint32_t item, uint16_t*
         }
     }
     for (int64_t i = 0; i < rows; i++) {  // no key to look at: zeros, as the other forms
-        const __m512 f = _mm512_set1_ps(run_l[i] > 0.0f ? 1.0f / run_l[i] : 0.0f);
+        const __m512 f = _mm512_set1_ps(run[i].l > 0.0f ? 1.0f / run[i].l : 0.0f);
         float* out = out_row(p, b, g * group + (r0 + i) % group, (r0 + i) / group);
         for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(out + d, _mm512_mul_ps(_mm512_load_ps(acc + i * D + d), f));
     }
