@@ -56,7 +56,7 @@ class LLMEngine:
         pipeline = build_pipeline(loaded, config, policy, sampler)  # the device side: pool, cache, blocks, runner
         self.pool_plan, self.cache, self.kv, self.runner = pipeline.pool_plan, pipeline.cache, pipeline.kv, pipeline.runner
         self.max_model_len = self.pool_plan.max_model_len
-        scheduler_config = SchedulerConfig(self.max_model_len, config.max_num_seqs, config.max_num_batched_tokens,
+        scheduler_config = SchedulerConfig(self.max_model_len, self.pool_plan.max_num_seqs, config.max_num_batched_tokens,
                                            recompute_every_step=not config.use_cache)  # fmt: skip
         self.scheduler = Scheduler(scheduler_config, self.kv)
         # what runs a decode step (kvlab/backends): the C backend, or the modules and why, said once here

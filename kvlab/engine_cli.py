@@ -46,7 +46,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-memory", help="KV pool size, e.g. 2GiB or 500MB (default: a share of free memory)")
     g.add_argument("--kv-memory-fraction", type=float,
                    help="share of free memory for the KV pool when --kv-memory is not given (default 0.2)")  # fmt: skip
-    g.add_argument("--max-num-seqs", type=int, default=32, help="requests running at once (default 32)")
+    g.add_argument("--max-num-seqs", type=int, default=None,
+                   help="requests running at once (default 128; 32 for a model with recurrent layers)")
     g.add_argument("--max-batched-tokens", "--max-num-batched-tokens", dest="max_batched_tokens", type=int, default=1024,
                    help="tokens through the model per step; longer prompts are prefilled in chunks (default 1024; "
                         "vLLM's name also works)")  # fmt: skip
@@ -104,7 +105,7 @@ def engine_options(args) -> dict:
         kv_bytes = int(args.kv_memory) if args.kv_memory.isdigit() else parse_size(args.kv_memory)
     for flag, value in (("--block-size", args.block_size), ("--max-num-seqs", args.max_num_seqs),
                         ("--max-batched-tokens", args.max_batched_tokens)):  # fmt: skip
-        if value < 1:
+        if value is not None and value < 1:
             raise KvlabError(f"{flag} must be at least 1, got {value}")
     return dict(
         block_size=args.block_size,

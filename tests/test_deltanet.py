@@ -173,6 +173,7 @@ def test_engine_bytes_are_kvlab_mems(pair):
         engine_bytes = plan.blocks_per_sequence(context) * plan.bytes_per_block + plan.state.bytes_per_sequence
         assert engine_bytes == kv_bytes(config, context, kv_dtype="float32") + state_bytes(config)
     assert engine.cache.states.nbytes() == 4 * state_bytes(config) == plan.state_nbytes
+    assert engine.scheduler.config.max_num_seqs == 4  # the flag's seats, each with its slot
     assert sum(t.nbytes for t in engine.cache.tensors()) == plan.nbytes  # the blocks hold only attention layers
 
 
@@ -188,6 +189,21 @@ def test_real_shapes_plan_kvlab_mems_state(name):
     assert plan.state.bytes_per_sequence == state_bytes(config)
     assert plan.bytes_per_token == kv_bytes_per_token(config, kv_dtype="bfloat16")
     assert plan.nbytes + plan.state_nbytes <= 1 << 30
+
+
+def test_a_hybrid_gets_fewer_seats_by_default_each_with_its_state_slot():
+    """Every seat holds a state slot whatever it runs, so a hybrid's default is 32, not the dense 128."""
+    from kvlab.config.engine import DEFAULT_MAX_NUM_SEQS, RECURRENT_MAX_NUM_SEQS
+    from kvlab.kv.pool_plan import plan_kv_pool
+
+    cpu, options = torch.device("cpu"), {"max_model_len": 4096, "kv_memory_bytes": 8 << 30}
+    hybrid = plan_kv_pool(EngineConfig(**options), load_config("qwen3.5-9b"), torch.bfloat16, cpu)
+    assert hybrid.max_num_seqs == hybrid.num_state_slots == RECURRENT_MAX_NUM_SEQS == 32
+    assert hybrid.state_nbytes == 32 * state_bytes(load_config("qwen3.5-9b"))
+    dense = plan_kv_pool(EngineConfig(**options), load_config("qwen3-0.6b"), torch.bfloat16, cpu)
+    assert dense.max_num_seqs == DEFAULT_MAX_NUM_SEQS and dense.num_state_slots == 0
+    given = plan_kv_pool(EngineConfig(max_num_seqs=5, **options), load_config("qwen3.5-9b"), torch.bfloat16, cpu)
+    assert given.max_num_seqs == given.num_state_slots == 5
 
 
 def test_decode_steps_run_on_the_c_backend(pair):

@@ -132,3 +132,16 @@ def test_generation_stops_at_the_context_end(tiny_chat_model):
 def test_chat_needs_string_contents(tiny_llm):
     with pytest.raises(KvlabError):
         tiny_llm.chat([{"role": "user"}])
+
+
+def test_seats_default_to_vllms_cpu_server_and_the_flag_overrides(tiny_chat_model, tiny_llm):
+    from kvlab.config.engine import DEFAULT_MAX_NUM_SEQS
+
+    assert DEFAULT_MAX_NUM_SEQS == 128  # vLLM's CPU server's max_num_seqs
+    assert tiny_llm.engine.scheduler.config.max_num_seqs == tiny_llm.engine.pool_plan.max_num_seqs == 128
+    assert tiny_llm.engine.pool_plan.num_state_slots == 0  # no recurrent layer, no state pool
+    few = LLM(tiny_chat_model, max_num_seqs=3)
+    assert few.engine.scheduler.config.max_num_seqs == 3
+    outs = few.generate([{"prompt_token_ids": [5 + i, 6, 7]} for i in range(5)], SamplingParams(max_tokens=4))
+    assert all(len(o.token_ids) == 4 for o in outs)  # five requests through three seats
+    assert max(o.metrics.mean_decode_batch for o in outs) <= 3

@@ -362,7 +362,8 @@ def test_serve_prints_its_memory_plan_then_the_measured_figures(tiny_chat_model,
     llm = open_llm(args, **{**options, "kv_memory_bytes": plan.nbytes})
     print_measured(llm, plan, weights)
     err = capsys.readouterr().err
-    for words in ("weights", "KV pool", f"{plan.num_blocks:,} blocks", "max concurrency", "planned → measured"):
+    for words in ("weights", "KV pool", f"{plan.num_blocks:,} blocks", "max concurrency", "planned → measured",
+                  "running at once             128   requests (--max-num-seqs"):  # fmt: skip
         assert words in err, words
     assert llm.engine.cache.nbytes() == plan.nbytes and weights == llm.loaded.weight_bytes
 

@@ -37,6 +37,7 @@ class KVPoolPlan:
     formats: KVFormats = None  # how keys and values are stored (floats, or quantized with their scales)
     state: StateShape | None = None  # a hybrid's per-sequence recurrent state (kv/state_pool.py), beside the blocks
     num_state_slots: int = 0  # sequences the state pool holds (max_num_seqs)
+    max_num_seqs: int = 0  # requests running at once (EngineConfig.seats_for: the flag, or the default)
 
     @property
     def state_nbytes(self) -> int:
@@ -88,7 +89,8 @@ def plan_kv_pool(
     """
     block_size, max_model_len = config.block_size, config.context_len(model)
     state = StateShape.of(model, dtype)  # a hybrid's recurrent layers: one state slot per sequence
-    state_total = state.bytes_per_sequence * config.max_num_seqs if state else 0
+    seats = config.seats_for(recurrent=state is not None)
+    state_total = state.bytes_per_sequence * seats if state else 0
     model = kv_config(model)  # the layers whose K/V the blocks hold
     if block_size < 1:
         raise KvlabError(f"--block-size must be at least 1, got {block_size}")
@@ -106,13 +108,13 @@ def plan_kv_pool(
         if not 0 < fraction <= 1:
             raise KvlabError(f"--kv-memory-fraction must be in (0, 1], got {fraction}")
         free = free_memory_bytes(device)
-        wanted = config.max_num_seqs * peak * per_block
+        wanted = seats * peak * per_block
         budget = min(int(fraction * free), wanted + state_total) - state_total
-        source = (f"min({fraction:g} × {free / 2**30:.1f} GiB free, {config.max_num_seqs} sequences × "
+        source = (f"min({fraction:g} × {free / 2**30:.1f} GiB free, {seats} sequences × "
                   f"{max_model_len} tokens)")  # fmt: skip
     num_blocks = max(budget, 0) // per_block
     if num_blocks < peak:
-        states = (f" after {state_total / 2**20:.1f} MiB of recurrent state for {config.max_num_seqs} sequences"
+        states = (f" after {state_total / 2**20:.1f} MiB of recurrent state for {seats} sequences"
                   if state else "")  # fmt: skip
         raise KvlabError(
             f"the KV pool ({max(budget, 0) / 2**20:.1f} MiB = {num_blocks} blocks{states}) cannot hold one sequence "
@@ -120,4 +122,4 @@ def plan_kv_pool(
             f"or a smaller --max-model-len" + (" or --max-num-seqs" if state else "")
         )
     return KVPoolPlan(block_size, per_token, num_blocks, max_model_len, source, layout, per_block, formats, state,
-                      config.max_num_seqs if state else 0)  # fmt: skip
+                      seats if state else 0, seats)  # fmt: skip

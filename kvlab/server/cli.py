@@ -339,6 +339,8 @@ def print_plan(args, options: dict, file=None):
               f"--speculative-config '{{\"method\": \"mtp\", ...}}'", file=file)  # fmt: skip
     print(f"  max concurrency    {plan.max_concurrency(max_len):12.1f}   sequences at the full {max_len:,}-token context "
           f"(more when shorter; a shared prefix is stored once)", file=file, flush=True)  # fmt: skip
+    print(f"  running at once    {plan.max_num_seqs:12,}   requests (--max-num-seqs; the rest wait their turn)",
+          file=file, flush=True)  # fmt: skip
     if plan.formats.is_quantized:
         # the same bytes in 16-bit floats: what the quantized format buys
         half = dict(options, kv_cache_dtype="float16", cache_type_k=None, cache_type_v=None, kv_memory_bytes=plan.nbytes)
