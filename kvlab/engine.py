@@ -56,12 +56,15 @@ class LLMEngine:
         pipeline = build_pipeline(loaded, config, policy, sampler)  # the device side: pool, cache, blocks, runner
         self.pool_plan, self.cache, self.kv, self.runner = pipeline.pool_plan, pipeline.cache, pipeline.kv, pipeline.runner
         self.max_model_len = self.pool_plan.max_model_len
-        scheduler_config = SchedulerConfig(self.max_model_len, self.pool_plan.max_num_seqs, config.max_num_batched_tokens,
-                                           recompute_every_step=not config.use_cache)  # fmt: skip
-        self.scheduler = Scheduler(scheduler_config, self.kv)
         # what runs a decode step (kvlab/backends): the C backend, or the modules and why, said once here
         self.decode_path = self.runner.driver.decode_path(self.cache)
         logger.info("%s", self.decode_path.describe())
+        seats, backend = self.pool_plan.max_num_seqs, self.decode_path.backend
+        if config.max_num_seqs is None and backend is not None:  # the default seats, kept where a sequence's
+            seats = min(seats, backend.steady_rows(self.runner.driver.policy) or seats)  # numbers stay its own
+        scheduler_config = SchedulerConfig(self.max_model_len, seats, config.max_num_batched_tokens,
+                                           recompute_every_step=not config.use_cache)  # fmt: skip
+        self.scheduler = Scheduler(scheduler_config, self.kv)
         # speculative decoding (spec_decode/): the runner's proposer drafts, its sampling verifies
         self.runner.spec = SpecDecoder.create(config.speculative_config, loaded, tokenizer, config, pipeline)
         self.stats = EngineStats()

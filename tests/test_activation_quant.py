@@ -44,6 +44,7 @@ def test_every_packed_matrix_is_interleaved_and_the_c_step_takes_them(gguf_file)
     assert "int8 activations" in loaded.weight_format
     engine = LLMEngine(loaded, None, EngineConfig(kv_memory_bytes=1 << 24))
     assert engine.decode_path.backend is not None, engine.decode_path.reason
+    assert engine.scheduler.config.max_num_seqs == 128  # a step of any rows stays on the C step: the default seats
 
 
 @pytest.mark.parametrize("n", [16, 48])

@@ -138,10 +138,15 @@ def test_seats_default_to_vllms_cpu_server_and_the_flag_overrides(tiny_chat_mode
     from kvlab.config.engine import DEFAULT_MAX_NUM_SEQS
 
     assert DEFAULT_MAX_NUM_SEQS == 128  # vLLM's CPU server's max_num_seqs
-    assert tiny_llm.engine.scheduler.config.max_num_seqs == tiny_llm.engine.pool_plan.max_num_seqs == 128
-    assert tiny_llm.engine.pool_plan.num_state_slots == 0  # no recurrent layer, no state pool
+    engine = tiny_llm.engine
+    assert engine.pool_plan.max_num_seqs == 128 and engine.pool_plan.num_state_slots == 0  # no recurrent layer
+    # float matrices: past the kernels' rows a decode step goes to BLAS, whose numbers are the batch's
+    assert engine.decode_path.name == "cpu-c" and engine.runner.driver.policy.max_kernel_rows == 32
+    assert engine.scheduler.config.max_num_seqs == 32
     few = LLM(tiny_chat_model, max_num_seqs=3)
     assert few.engine.scheduler.config.max_num_seqs == 3
     outs = few.generate([{"prompt_token_ids": [5 + i, 6, 7]} for i in range(5)], SamplingParams(max_tokens=4))
     assert all(len(o.token_ids) == 4 for o in outs)  # five requests through three seats
     assert max(o.metrics.mean_decode_batch for o in outs) <= 3
+    many = LLM(tiny_chat_model, max_num_seqs=100)  # given: taken as it is
+    assert many.engine.scheduler.config.max_num_seqs == 100

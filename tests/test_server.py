@@ -363,7 +363,7 @@ def test_serve_prints_its_memory_plan_then_the_measured_figures(tiny_chat_model,
     print_measured(llm, plan, weights)
     err = capsys.readouterr().err
     for words in ("weights", "KV pool", f"{plan.num_blocks:,} blocks", "max concurrency", "planned → measured",
-                  "running at once             128   requests (--max-num-seqs"):  # fmt: skip
+                  "running at once             128 → 32 requests (--max-num-seqs; 128 by default"):  # fmt: skip
         assert words in err, words
     assert llm.engine.cache.nbytes() == plan.nbytes and weights == llm.loaded.weight_bytes
 

@@ -130,6 +130,11 @@ class CpuDecodeBackend:
             self._checked[key] = unreadable_reason(cache) if isinstance(cache, PagedKVCache) else "not a paged cache"
         return self._checked[key]
 
+    def steady_rows(self, policy: ThreadPolicy) -> int | None:
+        """Sequences a decode step may hold with every sequence's numbers those it has alone (None: any
+        number): with a float matrix, the policy's max_kernel_rows, past which the step goes to BLAS."""
+        return None if self.any_rows else policy.max_kernel_rows
+
     def applies(self, input_ids: torch.Tensor, cache, meta, policy: ThreadPolicy) -> bool:
         """Whether this pass is a decode step it runs: B sequences, one token each, in every KV group."""
         from kvlab.kv.paged import PagedMetadata

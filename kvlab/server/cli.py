@@ -339,8 +339,6 @@ def print_plan(args, options: dict, file=None):
               f"--speculative-config '{{\"method\": \"mtp\", ...}}'", file=file)  # fmt: skip
     print(f"  max concurrency    {plan.max_concurrency(max_len):12.1f}   sequences at the full {max_len:,}-token context "
           f"(more when shorter; a shared prefix is stored once)", file=file, flush=True)  # fmt: skip
-    print(f"  running at once    {plan.max_num_seqs:12,}   requests (--max-num-seqs; the rest wait their turn)",
-          file=file, flush=True)  # fmt: skip
     if plan.formats.is_quantized:
         # the same bytes in 16-bit floats: what the quantized format buys
         half = dict(options, kv_cache_dtype="float16", cache_type_k=None, cache_type_v=None, kv_memory_bytes=plan.nbytes)
@@ -377,6 +375,10 @@ def print_measured(llm, plan, planned_weights: int | None, file=None) -> None:
         print(f"  state pool         {_gb(plan.state_nbytes):>12} → {_gb(engine.cache.states.nbytes())}", file=file)
     print(f"  max concurrency    {plan.max_concurrency(engine.max_model_len):12.1f} → "
           f"{engine.kv.max_concurrency(engine.max_model_len):.1f} at {engine.max_model_len:,} tokens", file=file)
+    seats = engine.scheduler.config.max_num_seqs
+    why = ("" if seats == plan.max_num_seqs else
+           f"; {plan.max_num_seqs} by default, kept to the decode step's rows that leave each sequence its own numbers")
+    print(f"  running at once    {plan.max_num_seqs:12,} → {seats:,} requests (--max-num-seqs{why})", file=file)
     peak = peak_memory_bytes(engine.cache.device)
     if engine.cache.device.type == "cpu":  # the pool's pages become resident only as blocks fill
         print(f"  process RSS        {'':>12}   {_gb(peak)} now, up to {_gb(peak + engine.cache.nbytes())} "
