@@ -47,7 +47,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-memory-fraction", type=float,
                    help="share of free memory for the KV pool when --kv-memory is not given (default 0.2)")  # fmt: skip
     g.add_argument("--max-num-seqs", type=int, default=None,
-                   help="requests running at once (default 128; 32 for a model with recurrent layers)")
+                   help="requests running at once (default 128; 32 for a model with recurrent layers or float matrices)")
     g.add_argument("--max-batched-tokens", "--max-num-batched-tokens", dest="max_batched_tokens", type=int, default=1024,
                    help="tokens through the model per step; longer prompts are prefilled in chunks (default 1024; "
                         "vLLM's name also works)")  # fmt: skip

@@ -150,3 +150,5 @@ def test_seats_default_to_vllms_cpu_server_and_the_flag_overrides(tiny_chat_mode
     assert max(o.metrics.mean_decode_batch for o in outs) <= 3
     many = LLM(tiny_chat_model, max_num_seqs=100)  # given: taken as it is
     assert many.engine.scheduler.config.max_num_seqs == 100
+    with pytest.raises(KvlabError, match="max_num_seqs .* at least 1, got 0"):
+        LLM(tiny_chat_model, max_num_seqs=0)

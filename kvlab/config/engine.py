@@ -54,6 +54,8 @@ class EngineConfig:
         """Requests that may run at once: --max-num-seqs, or the default for a model with (`recurrent`) or
         without per-sequence recurrent state."""
         if self.max_num_seqs is not None:
+            if self.max_num_seqs < 1:
+                raise KvlabError(f"max_num_seqs (--max-num-seqs) must be at least 1, got {self.max_num_seqs}")
             return self.max_num_seqs
         return RECURRENT_MAX_NUM_SEQS if recurrent else DEFAULT_MAX_NUM_SEQS
 
