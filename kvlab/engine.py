@@ -60,8 +60,9 @@ class LLMEngine:
         self.decode_path = self.runner.driver.decode_path(self.cache)
         logger.info("%s", self.decode_path.describe())
         seats, backend = self.pool_plan.max_num_seqs, self.decode_path.backend
-        if config.max_num_seqs is None and backend is not None:  # the default seats, kept where a sequence's
-            seats = min(seats, backend.steady_rows(self.runner.driver.policy) or seats)  # numbers stay its own
+        steady = backend.steady_rows(self.runner.driver.policy) if backend is not None else None
+        if config.max_num_seqs is None and steady:  # the default seats, kept where each sequence's numbers stay its own
+            seats = min(seats, steady)
         scheduler_config = SchedulerConfig(self.max_model_len, seats, config.max_num_batched_tokens,
                                            recompute_every_step=not config.use_cache)  # fmt: skip
         self.scheduler = Scheduler(scheduler_config, self.kv)
