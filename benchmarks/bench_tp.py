@@ -33,6 +33,7 @@ def worker(model: str, threads: int, out: str) -> None:
     from kvlab.config import EngineConfig
     from kvlab.engine import LLMEngine
     from kvlab.kernels import ThreadPolicy
+    from kvlab.model.huge_pages import into_huge_pages
     from kvlab.model.loader import load_model
     from kvlab.output.result import RequestOutput
     from kvlab.parallel import shard_model, tensor_parallel
@@ -40,7 +41,8 @@ def worker(model: str, threads: int, out: str) -> None:
 
     torch.set_num_threads(threads)
     group = tensor_parallel(int(os.environ.get("WORLD_SIZE", "1")))
-    loaded = shard_model(load_model(model), group)
+    loaded = shard_model(load_model(model, huge_pages=False), group)  # each rank its own rows, as LLM does
+    into_huge_pages(loaded.model)
     engine = LLMEngine(loaded, None, EngineConfig(max_model_len=512, max_num_seqs=16, enable_prefix_caching=False,
                                                   max_num_batched_tokens=1024), policy=ThreadPolicy(threads=threads))  # fmt: skip
     g = torch.Generator().manual_seed(0)

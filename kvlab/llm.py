@@ -32,6 +32,7 @@ from kvlab.config import EngineConfig
 from kvlab.engine import LLMEngine
 from kvlab.errors import KvlabError
 from kvlab.kernels import ThreadPolicy, cpu_load
+from kvlab.model.huge_pages import into_huge_pages
 from kvlab.model.loader import load_model
 from kvlab.quant.activations import check_activation_quant, with_activation_setting
 from kvlab.output.result import RequestOutput
@@ -101,7 +102,8 @@ class LLM:
             rope_scaling = parse_rope_scaling(rope_scaling, "rope_scaling")
         before_load = cpu_load.snapshot() if torch.device(device).type == "cpu" else None
         self.loaded = load_model(model, dtype=dtype, device=device, max_positions=max_model_len,
-                                 dequantize=dequantize, quantization=quantization)  # fmt: skip
+                                 dequantize=dequantize, quantization=quantization,
+                                 huge_pages=False)  # below: after a shard is cut and a setting repacks  # fmt: skip
         if rope_scaling is not None:
             self.loaded = with_rope_scaling(self.loaded, rope_scaling, max_model_len)
         # other programs' load on our CPUs while the model loaded: fewer threads when they hold a core
@@ -114,6 +116,7 @@ class LLM:
             check_activation_quant(activation_quant)
             # after sharding: each rank repacks its own rows
             self.loaded = with_activation_setting(self.loaded, activation_quant)
+        into_huge_pages(self.loaded.model)  # what a decode step streams, in its final form (model/huge_pages.py)
         default = torch.get_num_threads()
         self.policy = ThreadPolicy(threads=threads or (self.cpu_load.threads_for(default) if self.cpu_load else default))
         self.config = self.loaded.config

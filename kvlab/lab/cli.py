@@ -170,7 +170,7 @@ def run_experiments(args, names: list[str], settings: Settings) -> int:
     ensure_pulled(args.model)
     machine = machine_facts()  # before loading: free RAM and load average as the run found them
     before_load = cpu_load.snapshot()
-    loaded = load_model(args.model, dtype=settings.dtype)
+    loaded = load_model(args.model, dtype=settings.dtype, huge_pages=not settings.activation_quant)
     if not any(isinstance(layer.mixer, Attention) for layer in loaded.config.layers):
         raise KvlabError(f"kvlab lab measures softmax-attention models; {args.model} has "
                          f"{', '.join(loaded.config.count_by_label())} layers (kv-verify on another model shows "

@@ -13,6 +13,7 @@ from kvlab.config.gguf import config_from_gguf
 from kvlab.errors import KvlabError
 from kvlab.gguf_file import GGUFFile
 from kvlab.model.auto_dtype import auto_dtype
+from kvlab.model.huge_pages import into_huge_pages
 from kvlab.model.mla import join_kv_b
 from kvlab.model.registry import architecture_of, check_architecture_name
 from kvlab.model.transformer import Transformer
@@ -64,12 +65,15 @@ def load_model(
     max_positions: int | None = None,
     dequantize: bool = False,
     quantization: str | None = None,
+    huge_pages: bool = True,
 ) -> LoadedModel:
     """Read the config and weights of `source` and build the model on `device`.
 
     `dtype` is the activations' (and every float weight's) type, or "auto" (model/auto_dtype.py). A GGUF
     file's matrices stay in their own block formats unless `dequantize` expands them to `dtype` at load
     (the float path, for comparisons); `quantization` ("q8_0", "q4_0") turns a float checkpoint's matrices into blocks.
+    On a CPU the weights a decode step reads whole are then copied into huge pages (model/huge_pages.py);
+    `huge_pages=False` leaves them where they loaded (a caller about to repack them: with_activation_setting).
     """
     start = time.perf_counter()
     device = torch.device(device)
@@ -117,6 +121,8 @@ def load_model(
     positions = max_positions or config.max_position_embeddings
     model.build_rotary(positions, device)
     model.eval()
+    if huge_pages:
+        into_huge_pages(model)
     return LoadedModel(model=model, config=config, path=path, load_s=time.perf_counter() - start,
                        weight_format=weight_format(model, quantization), gguf=gguf)  # fmt: skip
 

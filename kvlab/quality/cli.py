@@ -89,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
     own_weights = args.dtype == "float32" and not args.dequantize and not args.quantization and not args.activation_quant
     loaded = ref_loaded if own_weights else load_model(
         args.model, dtype=args.dtype, device=args.device, max_positions=args.window,
-        dequantize=args.dequantize, quantization=args.quantization)  # fmt: skip
+        dequantize=args.dequantize, quantization=args.quantization, huge_pages=not args.activation_quant)  # fmt: skip
     if args.activation_quant:
         from kvlab.quant.activations import with_activation_setting
 

@@ -144,6 +144,9 @@ def with_activation_setting(loaded, setting: str):
     for module in loaded.model.modules():
         if isinstance(module, Attention):
             module.prompt_bf16 = prompt_bf16
+    from kvlab.model.huge_pages import into_huge_pages
+
+    into_huge_pages(loaded.model)  # the repacked matrices (load_model's own move is best skipped before this)
     note = setting_name(setting) + (f" ({kept} matrices on the exact blocks)" if kept else "")
     return dataclasses.replace(loaded, weight_format=f"{loaded.weight_format}, {note}")
 
