@@ -16,8 +16,9 @@ matrices, norms and biases, an LM head; a tied embedding table with it, the one 
 What stays: an untied embedding table (a token reads one row: the rest stays on disk, out of the
 resident set) and a mixture's experts (a token reads its top k). A storage shared by several tensors
 (a tied head, views) is copied once and every tensor made again over the copy, each with its own
-offset, shape and strides, so that a tie stays a tie. The file's pages a copy read leave the process
-every 8 MB copied (release_file_pages), so the resident set peaks at one piece over the final one.
+offset, shape and strides, so that a tie stays a tie. The copy runs in pieces of 8 MB on up to 4
+threads, the file's pages each piece read let go at once (release_file_pages): the resident set peaks
+a piece per thread over the final one.
 
 Nothing moves on another device, where the kernel gives no huge pages (`never`, or not Linux), below one
 huge page of weights (a test's tiny model), or with KVLAB_HUGE_PAGES=0 (the measurement's other side).
@@ -35,6 +36,7 @@ import mmap
 import os
 import re
 import weakref
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -115,12 +117,19 @@ def into_huge_pages(model: nn.Module, least: int | None = None) -> int:
     from kvlab.quant.activations import read_only_file_maps, release_file_pages
 
     files = read_only_file_maps()
-    for ptr, storage in storages.items():  # a piece at a time, its file pages let go at once (an LM head: 145 MB)
-        n = storage.nbytes()
-        for at in range(0, n, PIECE):
-            ctypes.memmove(region.data_ptr() + places[ptr] + at, ptr + at, min(PIECE, n - at))
-            release_file_pages([_bytes(storage, at, min(PIECE, n - at))], files)
-        release_file_pages([_bytes(storage, 0, n)], files)  # the pages across pieces
+    sizes = {ptr: s.nbytes() for ptr, s in storages.items()}
+    pieces = [(ptr, at, min(PIECE, n - at)) for ptr, n in sizes.items() for at in range(0, n, PIECE)]
+
+    def copy(piece: tuple[int, int, int]) -> None:  # its file pages let go at once (an LM head: 145 MB)
+        ptr, at, n = piece
+        ctypes.memmove(region.data_ptr() + places[ptr] + at, ptr + at, n)  # without the GIL
+        release_file_pages([_bytes(storages[ptr], at, n)], files)
+
+    # on several threads: the fresh pages' faults (the kernel zeroing them) take most of the time, and
+    # they run in parallel (Qwen2.5-0.5B's 383 MB on a Zen 4 VM: 0.40 against 0.55 s, 0.08 against 0.12)
+    with ThreadPoolExecutor(max(1, min(4, os.cpu_count() or 1))) as pool:
+        list(pool.map(copy, pieces))
+    release_file_pages([_bytes(s, 0, s.nbytes()) for s in storages.values()], files)  # the pages across pieces
 
     base = region.storage_offset()  # the region's first byte within its map's storage
 
