@@ -12,7 +12,7 @@ from kvlab.engine import LLMEngine
 from kvlab.model import huge_pages
 from kvlab.model.huge_pages import in_huge_pages, into_huge_pages, streamed_tensors, thp_mode
 from kvlab.model.loader import load_model
-from kvlab.quant.linear import PackedEmbedding
+from kvlab.quant.linear import PackedEmbedding, PackedLinear
 from kvlab.sampling import SamplingParams
 from tiny import add_tiny_tokenizer, build_tiny, build_tiny_gguf
 
@@ -129,5 +129,21 @@ def test_int8_moves_the_repacked_matrices_and_load_leaves_them_to_it(untied_gguf
     loaded = load_model(untied_gguf, huge_pages=False)
     assert not any(in_huge_pages(t) for t in streamed_tensors(loaded.model))
     int8 = with_int8_activations(loaded)
-    assert all(in_huge_pages(t) for t in streamed_tensors(int8.model))
+    repacked = [p.data for m in int8.model.modules() if isinstance(m, PackedLinear) for p in m.packed()]
+    assert repacked and all(in_huge_pages(t) for t in repacked)  # made there by the repacking (HugeArena)
     assert greedy(int8) == tokens
+
+
+def test_the_arena_makes_tensors_side_by_side_in_its_regions(monkeypatch):
+    monkeypatch.setattr(huge_pages, "huge_pages_wanted", lambda: True)
+    arena = huge_pages.HugeArena(chunk=4 << 20)
+    made = [arena.empty((1000, 37)), arena.empty((3, 5), dtype=torch.float32), arena.empty((4 << 20,))]
+    assert all(in_huge_pages(t) and t.data_ptr() % 64 == 0 and t.is_contiguous() for t in made)
+    assert made[1].dtype == torch.float32 and made[1].shape == (3, 5)
+    assert made[1].data_ptr() == made[0].data_ptr() + 37056  # 37,000 bytes, to the next cache line
+    assert made[2].untyped_storage().data_ptr() != made[0].untyped_storage().data_ptr()  # past the chunk: a new one
+    for i, t in enumerate(made):
+        t.fill_(i + 1)
+    assert [int(t.view(-1)[0]) for t in made] == [1, 2, 3] and int(made[0].sum()) == 37000  # no overlap
+    monkeypatch.setattr(huge_pages, "huge_pages_wanted", lambda: False)
+    assert not in_huge_pages(huge_pages.HugeArena().empty((64, 64)))

@@ -236,10 +236,11 @@ def dequantize(part, threads: int | None = None) -> torch.Tensor:
     return y
 
 
-def interleave(part, form: str = INTERLEAVED) -> tuple[str, torch.Tensor] | None:
+def interleave(part, form: str = INTERLEAVED, empty=torch.empty) -> tuple[str, torch.Tensor] | None:
     """The part (a PackedTensor of a GGUF block format) repacked 16 rows at a time: its format "<fmt>x16"
     (8-bit activations) or "<fmt>t16" (exact, on bfloat16 tiles: the same bytes) and bytes, uint8 [items,
-    item bytes] (quant_i8.c). None where its format has no interleaved form or the kernels are not built."""
+    item bytes] (quant_i8.c), in memory from `empty(shape, dtype=)` (model/huge_pages.py's HugeArena at
+    load). None where its format has no interleaved form or the kernels are not built."""
     ids, lib = _format_ids(), _library()
     target = part.fmt + form
     if part.fmt not in ids or target not in ids:
@@ -250,7 +251,7 @@ def interleave(part, form: str = INTERLEAVED) -> tuple[str, torch.Tensor] | None
     items = -(-rows // 16)
     if size < 0 or items == 0:
         return None
-    out = torch.empty(items, size // items, dtype=torch.uint8)
+    out = empty((items, size // items), dtype=torch.uint8)
     if lib["interleave"](ids[part.fmt], data.data_ptr(), data.stride(0), rows, in_features, out.data_ptr()) != size:
         return None
     return target, out

@@ -27,6 +27,7 @@ The values are the same bytes: only where they live changes.
     huge_pages_wanted()       whether this process copies weights into huge pages (the kernel's mode, the variable)
     into_huge_pages(model)    move the model's streamed weights (in place); the bytes moved
     in_huge_pages(tensor)     whether a tensor lies in a region this module made
+    HugeArena().empty(shape)  a tensor made in huge pages to begin with (weights repacked at load)
 """
 
 from __future__ import annotations
@@ -83,6 +84,28 @@ def in_huge_pages(t: torch.Tensor) -> bool:
     """Whether t lies in a region into_huge_pages made."""
     ptr = t.untyped_storage().data_ptr()
     return any(start <= ptr < end and alive() is not None for start, end, alive in _regions)
+
+
+class HugeArena:
+    """Tensors made one after another in huge-page regions of at least `chunk` bytes: weights that are
+    made at load anyway (--activation-quant's repacking) are made there, and need no copy after. Each
+    region's unused tail is never touched, so holds no memory past its last 2 MB page. Off (as
+    huge_pages_wanted says), torch.empty."""
+
+    def __init__(self, chunk: int = 64 << 20):
+        self.chunk, self.region, self.used = chunk, None, 0
+        self.on = huge_pages_wanted()
+
+    def empty(self, shape: tuple[int, ...], dtype: torch.dtype = torch.uint8) -> torch.Tensor:
+        like = torch.empty(shape, dtype=dtype, device="meta")
+        if not self.on:
+            return torch.empty(shape, dtype=dtype)
+        n = -(-like.numel() * like.element_size() // ALIGN) * ALIGN
+        if self.region is None or self.used + n > self.region.numel():
+            self.region, self.used = _region(-(-max(self.chunk, n) // HUGE_PAGE) * HUGE_PAGE), 0
+        t = _over(self.region.untyped_storage(), self.region.storage_offset() + self.used, like)
+        self.used += n
+        return t
 
 
 def streamed_tensors(model: nn.Module) -> list[torch.Tensor]:

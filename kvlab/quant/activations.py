@@ -114,8 +114,11 @@ def with_activation_setting(loaded, setting: str):
     form = FORMS[setting]
     from kvlab.model.experts import Experts
 
+    from kvlab.model.huge_pages import HugeArena, into_huge_pages
+
     converted = kept = 0
     files = read_only_file_maps()  # the blocks as loaded leave memory as each module is repacked
+    arena = HugeArena()  # the repacked matrices made in huge pages (model/huge_pages.py): no copy after
     for module in loaded.model.modules():
         if isinstance(module, Experts):
             done, left, replaced = _interleave_experts(module, form)
@@ -124,7 +127,7 @@ def with_activation_setting(loaded, setting: str):
             continue
         if not isinstance(module, PackedLinear):
             continue
-        repacked = [quant.interleave(p, form) for p in module.packed()]
+        repacked = [quant.interleave(p, form, arena.empty) for p in module.packed()]
         if any(r is None for r in repacked):
             kept += 1
             continue
@@ -144,9 +147,7 @@ def with_activation_setting(loaded, setting: str):
     for module in loaded.model.modules():
         if isinstance(module, Attention):
             module.prompt_bf16 = prompt_bf16
-    from kvlab.model.huge_pages import into_huge_pages
-
-    into_huge_pages(loaded.model)  # the repacked matrices (load_model's own move is best skipped before this)
+    into_huge_pages(loaded.model)  # what was not repacked (norms, biases; load_model's own move best skipped)
     note = setting_name(setting) + (f" ({kept} matrices on the exact blocks)" if kept else "")
     return dataclasses.replace(loaded, weight_format=f"{loaded.weight_format}, {note}")
 
