@@ -43,6 +43,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from kvlab.model.file_pages import read_only_file_maps, release_file_pages
+
 HUGE_PAGE = 2 << 20
 MADV_HUGEPAGE = 14  # Linux's madvise advice (asm-generic/mman-common.h)
 ALIGN = 64  # each storage starts on a cache line
@@ -137,8 +139,6 @@ def into_huge_pages(model: nn.Module, least: int | None = None) -> int:
         region = _region(-(-size // HUGE_PAGE) * HUGE_PAGE)
     except (OSError, ValueError, RuntimeError):  # no memory for it: the weights stay where they are
         return 0
-    from kvlab.quant.activations import read_only_file_maps, release_file_pages
-
     files = read_only_file_maps()
     sizes = {ptr: s.nbytes() for ptr, s in storages.items()}
     pieces = [(ptr, at, min(PIECE, n - at)) for ptr, n in sizes.items() for at in range(0, n, PIECE)]

@@ -45,6 +45,7 @@ from __future__ import annotations
 import dataclasses
 
 from kvlab.errors import KvlabError
+from kvlab.model.file_pages import read_only_file_maps, release_file_pages
 
 ACTIVATION_QUANT = ("int8", "bf16x3")  # the settings `--activation-quant` takes
 # the interleaved form each setting's matrices take (kernels/quant.py): int8 codes, or the exact tiles' road
@@ -179,50 +180,3 @@ def _interleave_experts(experts, form: str) -> tuple[int, int, list]:
             experts.formats[name][i] = fmt
         converted += 1
     return converted, kept, replaced
-
-
-MADV_DONTNEED = 4  # Linux's madvise advice: drop these pages from the process (a file's come back from it)
-
-
-def read_only_file_maps() -> list[tuple[int, int]]:
-    """(start, end) of each of this process's read-only mappings of a file (/proc/self/maps); [] off Linux."""
-    try:
-        with open("/proc/self/maps") as f:
-            lines = f.read().splitlines()
-    except OSError:
-        return []
-    files = []
-    for line in lines:
-        fields = line.split()
-        if len(fields) >= 6 and "w" not in fields[1] and fields[4] != "0":
-            start, end = (int(v, 16) for v in fields[0].split("-"))
-            files.append((start, end))
-    return files
-
-
-def release_file_pages(tensors, files: list[tuple[int, int]] | None = None) -> int:
-    """Drop from this process's resident memory the whole pages of `tensors` that lie in read-only file
-    mappings (`files`, by default read_only_file_maps(): the memory-mapped GGUF whose blocks were just
-    repacked and read once to do it). If anything reads them again, the kernel maps them again from the
-    file, so no value can change; memory that is not such a mapping is left alone. Returns the bytes
-    released (0 off Linux)."""
-    import ctypes
-    import mmap
-
-    files = read_only_file_maps() if files is None else files
-    if not files:
-        return 0
-    try:
-        madvise = ctypes.CDLL(None, use_errno=True).madvise
-    except (OSError, AttributeError, TypeError):
-        return 0
-    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    page, released = mmap.PAGESIZE, 0
-    for t in tensors:
-        first, size = t.data_ptr(), t.numel() * t.element_size()
-        if not any(start <= first and first + size <= end for start, end in files):
-            continue
-        lo, hi = -(-first // page) * page, (first + size) // page * page  # whole pages only: a neighbour's stay
-        if hi > lo and madvise(lo, hi - lo, MADV_DONTNEED) == 0:
-            released += hi - lo
-    return released
