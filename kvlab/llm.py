@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import atexit
 import sys
+import time
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -116,7 +117,9 @@ class LLM:
             check_activation_quant(activation_quant)
             # after sharding: each rank repacks its own rows
             self.loaded = with_activation_setting(self.loaded, activation_quant)
+        moving = time.perf_counter()
         into_huge_pages(self.loaded.model)  # what a decode step streams, in its final form (model/huge_pages.py)
+        self.loaded.load_s += time.perf_counter() - moving  # part of the load, as in load_model
         default = torch.get_num_threads()
         self.policy = ThreadPolicy(threads=threads or (self.cpu_load.threads_for(default) if self.cpu_load else default))
         self.config = self.loaded.config
