@@ -147,3 +147,15 @@ def test_the_arena_makes_tensors_side_by_side_in_its_regions(monkeypatch):
     assert [int(t.view(-1)[0]) for t in made] == [1, 2, 3] and int(made[0].sum()) == 37000  # no overlap
     monkeypatch.setattr(huge_pages, "huge_pages_wanted", lambda: False)
     assert not in_huge_pages(huge_pages.HugeArena().empty((64, 64)))
+
+
+def test_without_memory_for_a_region_the_weights_stay_and_the_arena_falls_back(untied_gguf, wanted, monkeypatch):
+    def refused(size):
+        raise OSError("Cannot allocate memory")
+
+    monkeypatch.setattr(huge_pages, "_region", refused)
+    loaded = load_model(untied_gguf, huge_pages=False)
+    assert into_huge_pages(loaded.model, least=0) == 0 and greedy(loaded)
+    arena = huge_pages.HugeArena()
+    t = arena.empty((4, 4))
+    assert t.shape == (4, 4) and not in_huge_pages(t) and not arena.on

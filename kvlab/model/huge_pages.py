@@ -104,7 +104,11 @@ class HugeArena:
             return torch.empty(shape, dtype=dtype)
         n = -(-like.numel() * like.element_size() // ALIGN) * ALIGN
         if self.region is None or self.used + n > self.region.numel():
-            self.region, self.used = _region(-(-max(self.chunk, n) // HUGE_PAGE) * HUGE_PAGE), 0
+            try:
+                self.region, self.used = _region(-(-max(self.chunk, n) // HUGE_PAGE) * HUGE_PAGE), 0
+            except (OSError, ValueError, RuntimeError):  # no memory for a region: PyTorch's from here on
+                self.on = False
+                return torch.empty(shape, dtype=dtype)
         t = _over(self.region.untyped_storage(), self.region.storage_offset() + self.used, like)
         self.used += n
         return t
