@@ -8,8 +8,8 @@ streams every matrix once, so it walks hundreds of MB a token through 4 KB pages
 and every hardware prefetcher stops at the end of a page. One anonymous region advised MADV_HUGEPAGE,
 the matrices copied into it one after the other (64-byte aligned), spares both. Measured side by side
 on an AMD EPYC (Zen 4) VM, 2 threads, the exact products from memory: Qwen2.5-Coder-0.5B's Q5_0 gate
-193 -> 179 us, its Q6_K down projection 231 -> 216 us, a decode step (with its Q8_0 LM head) 25.3 -> 23.4
-ms a token.
+193 -> 179 us, its Q6_K down projection 231 -> 216 us; its exact one-sequence decode step (with its Q8_0
+LM head) 22.7 -> 21.4 ms, both forms held in one process and their steps alternated.
 
 What moves: the tensors of every module whose bytes_read_per_token is all its bytes (the layers'
 matrices, norms and biases, an LM head; a tied embedding table with it, the one storage serving both).
