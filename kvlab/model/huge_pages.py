@@ -99,13 +99,13 @@ class HugeArena:
         self.on = huge_pages_wanted()
 
     def empty(self, shape: tuple[int, ...], dtype: torch.dtype = torch.uint8) -> torch.Tensor:
-        like = torch.empty(shape, dtype=dtype, device="meta")
         if not self.on:
             return torch.empty(shape, dtype=dtype)
-        n = -(-like.numel() * like.element_size() // ALIGN) * ALIGN
+        like = torch.empty(shape, dtype=dtype, device="meta")
+        n = _aligned(like.numel() * like.element_size())
         if self.region is None or self.used + n > self.region.numel():
             try:
-                self.region, self.used = _region(-(-max(self.chunk, n) // HUGE_PAGE) * HUGE_PAGE), 0
+                self.region, self.used = _region(_aligned(max(self.chunk, n), HUGE_PAGE)), 0
             except (OSError, ValueError, RuntimeError):  # no memory for a region: PyTorch's from here on
                 self.on = False
                 return torch.empty(shape, dtype=dtype)
@@ -133,23 +133,21 @@ def into_huge_pages(model: nn.Module, least: int | None = None) -> int:
     for t in streamed_tensors(model):
         if t.device.type == "cpu" and not in_huge_pages(t):
             storages.setdefault(t.untyped_storage().data_ptr(), t.untyped_storage())
-    places, size = {}, 0
-    for ptr, storage in storages.items():
-        places[ptr] = size
-        size += -(-storage.nbytes() // ALIGN) * ALIGN
+    size = sum(_aligned(s.nbytes()) for s in storages.values())
     if size < (HUGE_PAGE if least is None else least):
         return 0
-    try:
-        region = _region(-(-size // HUGE_PAGE) * HUGE_PAGE)
-    except (OSError, ValueError, RuntimeError):  # no memory for it: the weights stay where they are
-        return 0
+    arena = HugeArena(chunk=size)  # one region that holds them all, side by side
+    copies: dict[int, torch.Tensor] = {}  # storage → the bytes of its copy
+    for ptr, storage in storages.items():
+        copies[ptr] = arena.empty((storage.nbytes(),))
+        if not arena.on:  # no memory for the region: the weights stay where they are
+            return 0
     files = read_only_file_maps()
-    sizes = {ptr: s.nbytes() for ptr, s in storages.items()}
-    pieces = [(ptr, at, min(PIECE, n - at)) for ptr, n in sizes.items() for at in range(0, n, PIECE)]
+    pieces = [(ptr, at, min(PIECE, c.numel() - at)) for ptr, c in copies.items() for at in range(0, c.numel(), PIECE)]
 
     def copy(piece: tuple[int, int, int]) -> None:  # its file pages let go at once (an LM head: 145 MB)
         ptr, at, n = piece
-        ctypes.memmove(region.data_ptr() + places[ptr] + at, ptr + at, n)  # without the GIL
+        ctypes.memmove(copies[ptr].data_ptr() + at, ptr + at, n)  # without the GIL
         release_file_pages([_bytes(storages[ptr], at, n)], files)
 
     # on several threads: the fresh pages' faults (the kernel zeroing them) take most of the time, and
@@ -158,14 +156,12 @@ def into_huge_pages(model: nn.Module, least: int | None = None) -> int:
         list(pool.map(copy, pieces))
     release_file_pages([_bytes(s, 0, s.nbytes()) for s in storages.values()], files)  # the pages across pieces
 
-    base = region.storage_offset()  # the region's first byte within its map's storage
-
     made: dict[int, torch.Tensor] = {}  # id(old tensor) → its copy: a tensor two modules share stays one
 
     def moved(t: torch.Tensor) -> torch.Tensor | None:  # t made again over the copy of its storage
-        if id(t) not in made and t.device.type == "cpu" and t.untyped_storage().data_ptr() in places:
-            at = base + places[t.untyped_storage().data_ptr()] + t.storage_offset() * t.element_size()
-            copy = _over(region.untyped_storage(), at, t)
+        c = copies.get(t.untyped_storage().data_ptr()) if t.device.type == "cpu" else None
+        if id(t) not in made and c is not None:
+            copy = _over(c.untyped_storage(), c.storage_offset() + t.storage_offset() * t.element_size(), t)
             made[id(t)] = nn.Parameter(copy, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else copy
         return made.get(id(t))
 
@@ -177,6 +173,10 @@ def into_huge_pages(model: nn.Module, least: int | None = None) -> int:
                     kept.append(t)
                     table[name] = copy
     return size
+
+
+def _aligned(n: int, to: int = ALIGN) -> int:
+    return -(-n // to) * to
 
 
 def _bytes(storage: torch.UntypedStorage, at: int, n: int) -> torch.Tensor:
