@@ -11,7 +11,8 @@ float32 weights through the GEMV, on the same threads. The calls go straight to 
 ctypes call each, the same for both), alternating kernels within each repeat so that machine drift
 hits all of them, and every kernel cycles through enough copies of its matrix to read
 `--working-set-mb` per pass: weights come from memory, as in a decode step of a model larger than
-the caches, not from a cache holding one matrix. K-quants need rows of whole 256-value super-blocks:
+the caches, not from a cache holding one matrix (--huge-pages: the copies in 2 MB pages, as a loaded
+model's streamed weights are; kvlab/model/huge_pages.py). K-quants need rows of whole 256-value super-blocks:
 shapes whose input size is not one are skipped for them.
 
 --decode adds a whole model's decode: `kvlab run MODEL ... --max-tokens 64 --json` with the file's
@@ -36,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvlab.kernels import gemv, quant  # noqa: E402
 from kvlab.lab.common import cpu_model  # noqa: E402
+from kvlab.model.huge_pages import HugeArena  # noqa: E402
 from kvlab.quant.formats import FORMATS  # noqa: E402
 
 SHAPES = {  # [out, in] of each model's matrices
@@ -73,8 +75,15 @@ class Kernel:
         return (time.perf_counter() - start) / calls
 
 
+HUGE_PAGES = False  # --huge-pages: the copies in 2 MB pages, as a loaded model's weights are (model/huge_pages.py)
+
+
 def copies(make, nbytes: int, working_set: int) -> list[torch.Tensor]:
-    return [make() for _ in range(max(1, -(-working_set // nbytes)))]
+    n = max(1, -(-working_set // nbytes))
+    if not HUGE_PAGES:
+        return [make() for _ in range(n)]
+    arena = HugeArena(chunk=n * nbytes + (64 << 10) * n)
+    return [arena.empty(m.shape, m.dtype).copy_(m) for m in (make() for _ in range(n))]
 
 
 def kernels_for(out: int, n: int, rows: int, formats: list[str], threads: int, working_set: int,
@@ -175,8 +184,11 @@ def main() -> int:
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--decode-repeats", type=int, default=3)
     p.add_argument("--skip-kernels", action="store_true")
+    p.add_argument("--huge-pages", action="store_true", help="the matrices in 2 MB pages, as a loaded model's weights")
     p.add_argument("--json", type=Path, help="write the results here")
     args = p.parse_args()
+    global HUGE_PAGES
+    HUGE_PAGES = args.huge_pages
     if not quant.available():
         print("the C kernels are not built here (no compiler?)", file=sys.stderr)
         return 2
