@@ -11,7 +11,10 @@ describes every layer to decode.c (`LayerDesc`, cpu_layer.py): Llama's and Qwen'
 x̂ · (1 + w) as the weights 1 + w), q/k norms, the fused q/k/v product with its bias, the layer's own
 rotary table (Gemma 3's sliding layers), its sliding window and q·k scale, the SwiGLU or GeGLU MLP,
 each product a float matrix or the GGUF file's own blocks. Around the layers it does what the model's
-forward does: the embedding (scaled, Gemma), the final norm, the LM head and its soft-cap.
+forward does: the embedding (scaled, Gemma) before them; after them the final norm and the LM head at
+the logits rows, one more C call (kvlab_decode_head, described by cpu_layer.describe_head; the modules
+where the head is not the C products', e.g. a tensor-parallel shard's, or where they carry hooks), then
+the soft-cap.
 
 It takes decode-sized passes (every token a sequence's next one; at most the thread policy's kernel
 rows) on a paged cache whose keys and values are each float32, bfloat16, float16, q8_0, q4_0 or
@@ -44,11 +47,11 @@ from contextlib import contextmanager
 
 import torch
 
-from kvlab.backends.cpu_layer import describe_layer, is_attention
+from kvlab.backends.cpu_layer import describe_head, describe_layer, is_attention
 from kvlab.kernels import gemv
 from kvlab.backends.cpu_kv import GroupView, store, unreadable_reason
-from kvlab.kernels.decode import (Angles, KVStore, KVView, LayerDesc, LayerStep, StepDesc, kv_format_ids, library,
-                                  struct_mismatch)  # fmt: skip
+from kvlab.kernels.decode import (BLOCKS, Angles, KVStore, KVView, LayerDesc, LayerStep, StepDesc, kv_format_ids,
+                                  library, struct_mismatch)  # fmt: skip
 from kvlab.kernels.policy import ThreadPolicy
 from kvlab.kv.formats import unrotated
 
@@ -63,8 +66,9 @@ class CpuDecodeBackend:
     name = "cpu-c"
     _phases: torch.Tensor | None = None  # float64 [len(PHASES)] while phase_clock() is open
 
-    def __init__(self, model, layers: list[LayerDesc], keep: list[torch.Tensor], lib):
+    def __init__(self, model, layers: list[LayerDesc], keep: list[torch.Tensor], lib, head: tuple | None = None):
         self.model, self.layers, self.lib = model, layers, lib
+        self.head = head  # (the LM head's LinearDesc, the final norm's weights' address, its eps), or None
         self._keep = keep  # tensors the descriptions point at that the model does not hold (1 + w)
         self._checked: dict[int, str | None] = {}  # id(cache) → cache_reason, asked once per cache
         self._plan_of: tuple | None = None  # (a weak reference to the cache, its _Plan): see _plan
@@ -119,7 +123,8 @@ class CpuDecodeBackend:
             if isinstance(desc, str):
                 return f"layer {i}: {desc}"
             layers.append(desc)
-        return cls(model, layers, keep, lib)
+        head = describe_head(model, keep)  # why not: the modules run the head, as before
+        return cls(model, layers, keep, lib, None if isinstance(head, str) else head)
 
     def cache_reason(self, cache) -> str | None:
         """Why this cache cannot be read by the C step (None: it can)."""
@@ -208,14 +213,31 @@ class CpuDecodeBackend:
             start, layer = end, layers[end - 1]
             for hook in list(layer._forward_hooks.values()):  # what the module's own call would show: its output [1, B, E]
                 hook(layer, (), x[None].clone())
-        x = x[logits_index]  # [S, E]
         t = time.perf_counter() if phases is not None else 0.0
-        logits = model.lm_head(model.norm(x[None])).float()  # [1, S, V]
+        S = logits_index.numel()
+        if self._head_applies(S, policy):  # the final norm and the LM head in one C call
+            desc, norm, eps = self.head
+            index = logits_index.to(torch.int64).contiguous()
+            logits, normed = torch.empty(1, S, desc.out_features), torch.empty(S, x.shape[1])
+            self.lib["head"](ctypes.byref(desc), norm, eps, x.data_ptr(), x.shape[1], index.data_ptr(), S,
+                             normed.data_ptr(), logits.data_ptr(), policy.threads)  # fmt: skip
+        else:
+            logits = model.lm_head(model.norm(x[logits_index][None])).float()  # [1, S, V]
         if model.logit_softcap is not None:
             logits = torch.tanh(logits / model.logit_softcap) * model.logit_softcap
         if phases is not None:
             phases[PHASES.index("head")] += time.perf_counter() - t
         return logits
+
+    def _head_applies(self, rows: int, policy: ThreadPolicy) -> bool:
+        """Whether the C head takes a step's `rows` logits rows: described, no hooks on the modules (they would
+        not see the pass), and a float matrix only at the rows the kernels take (past them the modules' BLAS)."""
+        if self.head is None or rows == 0:
+            return False
+        model = self.model
+        if any(m._forward_hooks or m._forward_pre_hooks for m in (model.norm, model.lm_head)):
+            return False
+        return bool(self.head[0].parts[0].kind == BLOCKS or rows <= policy.max_kernel_rows)
 
     def _plan(self, cache, k_fmt: int, v_fmt: int) -> _Plan:
         """What every layer's step reads that lasts as long as the cache (asked once per cache, not per step)."""

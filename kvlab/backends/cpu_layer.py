@@ -132,6 +132,19 @@ def _row_parallel(o_proj, down_proj, keep: list):
     return reduce, group
 
 
+def describe_head(model, keep: list) -> tuple | str:
+    """The final norm and the LM head as decode.c's kvlab_decode_head takes them: (the head's LinearDesc, the
+    norm's weights' address, its eps), or why it cannot (a tensor-parallel shard's head, another norm)."""
+    from kvlab.backends.cpu_linear import describe_linear
+
+    head = describe_linear(model.lm_head)
+    if isinstance(head, str):
+        return head
+    eps = getattr(model.norm, "eps", None)
+    norm = _norm_weight(model.norm, eps, keep)
+    return norm if isinstance(norm, str) else (head, norm, eps)
+
+
 def _norm_weight(norm, eps: float, keep: list[torch.Tensor]) -> int | str:
     """The address of the float32 weights decode.c multiplies x̂ by: w, or Gemma's offset + w."""
     from kvlab.model.layers import OffsetRMSNorm, RMSNorm
