@@ -1,11 +1,14 @@
-"""The decode step's head in C (backends/cpu.py, decode.c's kvlab_decode_head): the final norm and the LM
-head at the logits rows, after the layers, in one call.
+"""The decode step's ends in C (backends/cpu.py): the token table's rows looked up and dequantized
+(quant.c's kvlab_quant_dequantize_rows) before the layers, and the final norm and the LM head at the logits
+rows after them (decode.c's kvlab_decode_head), each in one call.
 
-Checked here, for a float head and GGUF blocks (Q8_0, Q4_1; Gemma 3's offset norm and soft-capped logits; a
-tied head; the int8 activation setting's interleaved head), one sequence and several:
-  - each decode step's logits are the very bits the modules' head gives after the same layers;
-  - the C head is the one that ran (the backend describes it and takes the step);
-  - a forward hook on the LM head or the final norm sends the step back to the modules, and sees it.
+Checked here, for a float model and GGUF blocks (Q8_0, Q4_1; Gemma 3's offset norm, scaled embeddings and
+soft-capped logits; a tied head; the int8 activation setting's interleaved head), one sequence and several:
+  - each decode step's logits are the very bits the modules' embedding and head give around the same layers;
+  - the C ends are the ones that ran (the backend describes them and takes the step; a float table stays
+    the module's);
+  - a forward hook on the embedding, the LM head or the final norm sends that end back to the module, and
+    sees it; a token id outside the table is refused before anything is read.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ def loaded(request, tmp_path_factory):
     return with_activation_setting(model, setting) if setting else model
 
 
-def serve_comparing(engine: LLMEngine, batch: int, steps: int) -> int:
+def serve_comparing(engine: LLMEngine, loaded, batch: int, steps: int) -> int:
     """Decode `batch` sequences for `steps` tokens; every fused step's logits computed twice from the same
     cache, the head in C and by the modules, and compared bit for bit. Returns the steps compared."""
     driver = engine.runner.driver
@@ -50,15 +53,16 @@ def serve_comparing(engine: LLMEngine, batch: int, steps: int) -> int:
         if backend is None:
             return run(input_ids, kv, meta, logits_index)
         assert backend.head is not None and backend._head_applies(logits_index.numel(), driver.policy)
+        assert (backend.embed_fmt is not None) == (loaded.weight_format != "float32")
         before = [t.clone() for t in engine.cache.tensors()]
         in_c = run(input_ids, kv, meta, logits_index)
         for t, saved in zip(engine.cache.tensors(), before):
             t.copy_(saved)
-        head, backend.head = backend.head, None  # the modules' head after the same layers
-        try:
+        (head, backend.head), (fmt, backend.embed_fmt) = (backend.head, None), (backend.embed_fmt, None)
+        try:  # the modules' embedding and head around the same layers
             modules = run(input_ids, kv, meta, logits_index)
         finally:
-            backend.head = head
+            backend.head, backend.embed_fmt = head, fmt
         assert in_c.shape == modules.shape and torch.equal(in_c, modules)
         compared.append(in_c.shape[1])
         return in_c
@@ -80,7 +84,7 @@ def serve_comparing(engine: LLMEngine, batch: int, steps: int) -> int:
 @pytest.mark.parametrize("batch", [1, 5])
 def test_the_c_head_gives_the_modules_logits_bit_for_bit(loaded, batch):
     engine = LLMEngine(loaded, None, EngineConfig(max_num_batched_tokens=64, kv_memory_bytes=1 << 22))
-    assert serve_comparing(engine, batch, steps=6) >= 5
+    assert serve_comparing(engine, loaded, batch, steps=6) >= 5
 
 
 def greedy(engine: LLMEngine, prompt: list[int], n: int) -> list[int]:
@@ -96,7 +100,7 @@ def test_a_hook_on_the_head_or_the_norm_sends_the_step_back_to_the_modules(loade
     engine = LLMEngine(loaded, None, EngineConfig(max_num_batched_tokens=64, kv_memory_bytes=1 << 22))
     model = engine.runner.driver.model
     plain = greedy(engine, [7, 8, 9, 10], 5)
-    for module in (model.lm_head, model.norm):
+    for module in (model.lm_head, model.norm, model.embed_tokens):
         seen = []
         handle = module.register_forward_hook(lambda m, args, out: seen.append(out.shape))
         try:
@@ -105,3 +109,19 @@ def test_a_hook_on_the_head_or_the_norm_sends_the_step_back_to_the_modules(loade
             handle.remove()
         assert tokens == plain
         assert len(seen) == 5  # the prompt's pass and the four decode steps: every one through the module
+
+
+def test_a_token_outside_the_table_is_refused_before_it_is_read(loaded):
+    engine = LLMEngine(loaded, None, EngineConfig(max_num_batched_tokens=64, kv_memory_bytes=1 << 22))
+    greedy(engine, [7, 8, 9], 2)  # the first decode step chooses the backend
+    backend = engine.runner.driver.decode_path().backend
+    if loaded.weight_format == "float32":  # a float table: the module looks its rows up (and refuses them)
+        assert backend.embed_fmt is None
+        return
+    vocab = engine.runner.driver.model.embed_tokens.shape[0]
+    with pytest.raises(IndexError, match="outside the vocabulary"):
+        backend._embed(torch.tensor([[3, vocab]]))
+    with pytest.raises(IndexError, match="outside the vocabulary"):
+        backend._embed(torch.tensor([[-1]]))
+    assert torch.equal(backend._embed(torch.tensor([[3, vocab - 1]])),
+                       engine.runner.driver.model.embed_tokens(torch.tensor([[3, vocab - 1]]))[0])

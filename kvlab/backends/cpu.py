@@ -11,10 +11,11 @@ describes every layer to decode.c (`LayerDesc`, cpu_layer.py): Llama's and Qwen'
 x̂ · (1 + w) as the weights 1 + w), q/k norms, the fused q/k/v product with its bias, the layer's own
 rotary table (Gemma 3's sliding layers), its sliding window and q·k scale, the SwiGLU or GeGLU MLP,
 each product a float matrix or the GGUF file's own blocks. Around the layers it does what the model's
-forward does: the embedding (scaled, Gemma) before them; after them the final norm and the LM head at
-the logits rows, one more C call (kvlab_decode_head, described by cpu_layer.describe_head; the modules
-where the head is not the C products', e.g. a tensor-parallel shard's, or where they carry hooks), then
-the soft-cap.
+forward does: before them the embedding, a GGUF table's rows looked up and dequantized in one C call
+(quant.c's kvlab_quant_dequantize_rows), then scaled (Gemma); after them the final norm and the LM head
+at the logits rows, one more C call (kvlab_decode_head, described by cpu_layer.describe_head), then the
+soft-cap. Each end is the module's own call where C does not read it (a float table, a tensor-parallel
+shard's head) or where the module carries hooks.
 
 It takes decode-sized passes (every token a sequence's next one; at most the thread policy's kernel
 rows) on a paged cache whose keys and values are each float32, bfloat16, float16, q8_0, q4_0 or
@@ -47,7 +48,7 @@ from contextlib import contextmanager
 
 import torch
 
-from kvlab.backends.cpu_layer import describe_head, describe_layer, is_attention
+from kvlab.backends.cpu_layer import describe_head, describe_layer, embedding_format, is_attention
 from kvlab.kernels import gemv
 from kvlab.backends.cpu_kv import GroupView, store, unreadable_reason
 from kvlab.kernels.decode import (BLOCKS, Angles, KVStore, KVView, LayerDesc, LayerStep, StepDesc, kv_format_ids,
@@ -69,6 +70,7 @@ class CpuDecodeBackend:
     def __init__(self, model, layers: list[LayerDesc], keep: list[torch.Tensor], lib, head: tuple | None = None):
         self.model, self.layers, self.lib = model, layers, lib
         self.head = head  # (the LM head's LinearDesc, the final norm's weights' address, its eps), or None
+        self.embed_fmt = embedding_format(model)  # the token table's format where C looks its rows up, or None
         self._keep = keep  # tensors the descriptions point at that the model does not hold (1 + w)
         self._checked: dict[int, str | None] = {}  # id(cache) → cache_reason, asked once per cache
         self._plan_of: tuple | None = None  # (a weak reference to the cache, its _Plan): see _plan
@@ -164,7 +166,7 @@ class CpuDecodeBackend:
     def run(self, input_ids: torch.Tensor, cache, meta, logits_index: torch.Tensor, policy: ThreadPolicy):
         """Logits [1, S, V] of the rows at `logits_index`, as the model's own forward would give them."""
         model = self.model
-        x = model.embed_tokens(input_ids)[0]  # [B, E]
+        x = self._embed(input_ids)  # [B, E]
         if model.embed_scale is not None:  # in the activations' dtype, as the model rounds it
             x = x * torch.tensor(model.embed_scale, dtype=x.dtype)
         x = x.float().contiguous()
@@ -228,6 +230,24 @@ class CpuDecodeBackend:
         if phases is not None:
             phases[PHASES.index("head")] += time.perf_counter() - t
         return logits
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The step's rows of the token table [B, E]: looked up and dequantized in one C call where the table
+        is GGUF blocks (the module's bits; a hook on the module sees its own call instead)."""
+        emb = self.model.embed_tokens
+        if self.embed_fmt is None or emb._forward_hooks or emb._forward_pre_hooks:
+            return emb(input_ids)[0]
+        from kvlab.kernels import quant
+
+        table, ids = emb.packed_0, input_ids.reshape(-1).to(torch.int64).contiguous()
+        x = torch.empty(ids.numel(), emb.shape[1])
+        status = quant._library()["dequantize_rows"](self.embed_fmt, table.data_ptr(), table.stride(0), table.shape[0],
+                                                     ids.data_ptr(), ids.numel(), x.data_ptr(), x.shape[1])  # fmt: skip
+        if status == -2:
+            raise IndexError(f"a token id outside the vocabulary of {table.shape[0]}: {ids.tolist()}")
+        if status:
+            raise ValueError(f"the C kernels refused the token table's {emb.fmt} rows")
+        return x
 
     def _head_applies(self, rows: int, policy: ThreadPolicy) -> bool:
         """Whether the C head takes a step's `rows` logits rows: described, no hooks on the modules (they would

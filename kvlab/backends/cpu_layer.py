@@ -145,6 +145,18 @@ def describe_head(model, keep: list) -> tuple | str:
     return norm if isinstance(norm, str) else (head, norm, eps)
 
 
+def embedding_format(model) -> int | None:
+    """quant.c's id of the token table's format where the decode step looks its rows up in C
+    (kvlab_quant_dequantize_rows: a GGUF table of float32 rows, the module's bits), else None (the module)."""
+    from kvlab.kernels import quant
+    from kvlab.quant.linear import PackedEmbedding
+
+    emb = model.embed_tokens
+    if type(emb) is not PackedEmbedding or emb.out_dtype != torch.float32:
+        return None
+    return quant._format_ids().get(emb.fmt)
+
+
 def _norm_weight(norm, eps: float, keep: list[torch.Tensor]) -> int | str:
     """The address of the float32 weights decode.c multiplies x̂ by: w, or Gemma's offset + w."""
     from kvlab.model.layers import OffsetRMSNorm, RMSNorm

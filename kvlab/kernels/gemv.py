@@ -149,6 +149,8 @@ def _load() -> None:
     _quant["matmul_parts"] = _bind(lib, "kvlab_quant_matmul_parts", [ctypes.c_int] + [pointer] * 6 + [int64] * 3 + [ctypes.c_int], ctypes.c_int)
     _quant["gated"] = _bind(lib, "kvlab_quant_gated", [pointer] * 2 + [int64] + [pointer] * 2 + [int64] * 2 + [ctypes.c_int] * 2, ctypes.c_int)
     _quant["interleave"] = _bind(lib, "kvlab_quant_interleave", [ctypes.c_int, pointer, int64, int64, int64, pointer], int64)
+    rows_args = [ctypes.c_int, pointer, int64, int64, pointer, int64, pointer, int64]  # fmt, w, ldw, rows, ids, m, y, n
+    _quant["dequantize_rows"] = _bind(lib, "kvlab_quant_dequantize_rows", rows_args, ctypes.c_int)
     _quant["dequantize"] = _bind(lib, "kvlab_quant_dequantize", [ctypes.c_int, pointer, int64, pointer] + [int64] * 3 + [ctypes.c_int], ctypes.c_int)
     _decode["layers"] = _bind(lib, "kvlab_decode_layers", [pointer, int64, pointer, pointer, pointer, pointer, ctypes.c_int,
                                                            pointer], ctypes.c_int)  # fmt: skip

@@ -1758,6 +1758,22 @@ int kvlab_quant_dequantize(int fmt, const uint8_t* w, int64_t ldw, float* y, int
     return 0;
 }
 
+// y [m, n] = rows ids[0 .. m − 1] of W [rows, n], dequantized as kvlab_quant_dequantize does them (the same
+// bits): a token table's rows, on the caller's thread (the decode step's embedding, backends/cpu.py).
+// Returns 0, −1 as kvlab_quant_matmul, or −2 for an id outside the table (nothing read).
+int kvlab_quant_dequantize_rows(int fmt, const uint8_t* w, int64_t ldw, int64_t rows, const int64_t* ids, int64_t m,
+                                float* y, int64_t n) {
+    if (fmt < 0 || fmt >= NUM_FORMATS || !FORMATS[fmt].dequant || n % FORMATS[fmt].values) return -1;
+    for (int64_t i = 0; i < m; i++)
+        if (ids[i] < 0 || ids[i] >= rows) return -2;
+    const Format* f = &FORMATS[fmt];
+    for (int64_t i = 0; i < m; i++) {
+        if (block_items(fmt)) expand_row(fmt, w + ids[i] * ldw, n, y + i * n);
+        else f->dequant(w + ids[i] * ldw, ldw, 1, n / f->values, y + i * n, n);
+    }
+    return 0;
+}
+
 // Format `fmt`'s rows interleaved for 8-bit activations: the bytes they take (`out` NULL), or written to
 // out. Returns the bytes, or −1 for a format without an interleaved form or n not whole blocks.
 int64_t kvlab_quant_interleave(int fmt, const uint8_t* w, int64_t ldw, int64_t rows, int64_t n, uint8_t* out) {
