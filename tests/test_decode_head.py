@@ -8,10 +8,13 @@ soft-capped logits; a tied head; the int8 activation setting's interleaved head)
   - the C ends are the ones that ran (the backend describes them and takes the step; a float table stays
     the module's);
   - a forward hook on the embedding, the LM head or the final norm sends that end back to the module, and
-    sees it; a token id outside the table is refused before anything is read.
+    sees it; a token id outside the table, or a logits row outside the step, is refused before anything
+    is read or written; the head's call gives the modules' logits for rows in any order.
 """
 
 from __future__ import annotations
+
+import ctypes
 
 import pytest
 import torch
@@ -109,6 +112,28 @@ def test_a_hook_on_the_head_or_the_norm_sends_the_step_back_to_the_modules(loade
             handle.remove()
         assert tokens == plain
         assert len(seen) == 5  # the prompt's pass and the four decode steps: every one through the module
+
+
+def test_logits_rows_outside_the_step_are_refused_before_anything_is_written(loaded):
+    engine = LLMEngine(loaded, None, EngineConfig(max_num_batched_tokens=64, kv_memory_bytes=1 << 22))
+    greedy(engine, [7, 8, 9], 2)  # the first decode step chooses the backend
+    backend = engine.runner.driver.decode_path().backend
+    desc, norm, eps = backend.head
+    x = torch.randn(2, desc.in_features)
+    for rows in ([0, 2], [-1]):
+        index = torch.tensor(rows, dtype=torch.int64)
+        logits, normed = torch.full((len(rows), desc.out_features), 7.0), torch.full((len(rows), desc.in_features), 7.0)
+        status = backend.lib["head"](ctypes.byref(desc), norm, eps, x.data_ptr(), *x.shape, index.data_ptr(), len(rows),
+                                     normed.data_ptr(), logits.data_ptr(), 1)  # fmt: skip
+        assert status == -1 and bool((logits == 7.0).all()) and bool((normed == 7.0).all())
+    index = torch.tensor([1, 0], dtype=torch.int64)
+    logits, normed = torch.empty(2, desc.out_features), torch.empty(2, desc.in_features)
+    assert backend.lib["head"](ctypes.byref(desc), norm, eps, x.data_ptr(), *x.shape, index.data_ptr(), 2,
+                               normed.data_ptr(), logits.data_ptr(), 1) == 0  # fmt: skip
+    driver = engine.runner.driver  # the modules under the driver's ops: the kernels a step's modules take
+    with torch.inference_mode(), driver.ops.applied(driver.policy, 2, driver.packed):
+        expected = driver.model.lm_head(driver.model.norm(x[index][None])).float()[0]
+    assert torch.equal(logits, expected)  # rows 1 and 0, in that order (the soft-cap comes after the call)
 
 
 def test_a_token_outside_the_table_is_refused_before_it_is_read(loaded):

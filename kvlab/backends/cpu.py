@@ -221,8 +221,9 @@ class CpuDecodeBackend:
             desc, norm, eps = self.head
             index = logits_index.to(torch.int64).contiguous()
             logits, normed = torch.empty(1, S, desc.out_features), torch.empty(S, x.shape[1])
-            self.lib["head"](ctypes.byref(desc), norm, eps, x.data_ptr(), x.shape[1], index.data_ptr(), S,
-                             normed.data_ptr(), logits.data_ptr(), policy.threads)  # fmt: skip
+            if self.lib["head"](ctypes.byref(desc), norm, eps, x.data_ptr(), *x.shape, index.data_ptr(), S,
+                                normed.data_ptr(), logits.data_ptr(), policy.threads):  # fmt: skip
+                raise IndexError(f"logits rows {index.tolist()} outside the step's {x.shape[0]} rows")
         else:
             logits = model.lm_head(model.norm(x[logits_index][None])).float()  # [1, S, V]
         if model.logit_softcap is not None:

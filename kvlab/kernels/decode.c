@@ -238,8 +238,12 @@ int kvlab_decode_layers(const LayerStep* layers, int64_t num, const Angles* angl
 // alternated 7 times in one process: SmolLM2's head 1.32 -> 1.10 ms a step (int8 activations, one
 // sequence; its step 0.95x), exact 1.22 -> 1.04 (0.95x), 16 sequences 1.91 -> 1.71 (0.97x); Qwen2.5-
 // Coder-0.5B's one-sequence step 0.98x (int8), 0.99x (exact).
-void kvlab_decode_head(const Linear* head, const float* norm_w, float eps, const float* x, int64_t hidden,
-                       const int64_t* index, int64_t S, float* normed, float* logits, int threads) {
+// Returns 0, or −1 for an index outside x's B rows (nothing written).
+int kvlab_decode_head(const Linear* head, const float* norm_w, float eps, const float* x, int64_t B, int64_t hidden,
+                      const int64_t* index, int64_t S, float* normed, float* logits, int threads) {
+    for (int64_t s = 0; s < S; s++)
+        if (index[s] < 0 || index[s] >= B) return -1;
     for (int64_t s = 0; s < S; s++) kvlab_rms_norm_f32(x + index[s] * hidden, norm_w, normed + s * hidden, 1, hidden, eps);
     linear(head, normed, logits, S, head->out, threads);
+    return 0;
 }

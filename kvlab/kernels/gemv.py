@@ -155,8 +155,8 @@ def _load() -> None:
     _decode["layers"] = _bind(lib, "kvlab_decode_layers", [pointer, int64, pointer, pointer, pointer, pointer, ctypes.c_int,
                                                            pointer], ctypes.c_int)  # fmt: skip
     _decode["scratch_floats"] = _bind(lib, "kvlab_decode_scratch_floats", [int64] * 7, int64)
-    _decode["head"] = _bind(lib, "kvlab_decode_head", [pointer, pointer, ctypes.c_float, pointer, int64, pointer, int64,
-                                                       pointer, pointer, ctypes.c_int])  # fmt: skip
+    _decode["head"] = _bind(lib, "kvlab_decode_head", [pointer, pointer, ctypes.c_float, pointer, int64, int64, pointer,
+                                                       int64, pointer, pointer, ctypes.c_int], ctypes.c_int)  # fmt: skip
     _decode["kv_encode"] = _bind(lib, "kvlab_kv_encode", [ctypes.c_int, pointer, int64, int64, pointer, pointer], ctypes.c_int)
     _decode["kv_write"] = _bind(lib, "kvlab_kv_write", [ctypes.c_int, ctypes.c_int, pointer] + [int64] * 5 + [pointer] * 3,
                                 ctypes.c_int)  # fmt: skip
