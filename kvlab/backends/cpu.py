@@ -49,7 +49,7 @@ from contextlib import contextmanager
 import torch
 
 from kvlab.backends.cpu_layer import describe_head, describe_layer, embedding_format, is_attention
-from kvlab.kernels import gemv
+from kvlab.kernels import gemv, quant
 from kvlab.backends.cpu_kv import GroupView, store, unreadable_reason
 from kvlab.kernels.decode import (BLOCKS, Angles, KVStore, KVView, LayerDesc, LayerStep, StepDesc, kv_format_ids,
                                   library, struct_mismatch)  # fmt: skip
@@ -67,10 +67,12 @@ class CpuDecodeBackend:
     name = "cpu-c"
     _phases: torch.Tensor | None = None  # float64 [len(PHASES)] while phase_clock() is open
 
-    def __init__(self, model, layers: list[LayerDesc], keep: list[torch.Tensor], lib, head: tuple | None = None):
+    def __init__(self, model, layers: list[LayerDesc], keep: list[torch.Tensor], lib):
         self.model, self.layers, self.lib = model, layers, lib
-        self.head = head  # (the LM head's LinearDesc, the final norm's weights' address, its eps), or None
+        head = describe_head(model, keep)  # a string says why not: the modules run the head
+        self.head = None if isinstance(head, str) else head  # (its LinearDesc, the norm's weights, eps), or None
         self.embed_fmt = embedding_format(model)  # the token table's format where C looks its rows up, or None
+        self._rows_of_table = quant._library()["dequantize_rows"] if self.embed_fmt is not None else None
         self._keep = keep  # tensors the descriptions point at that the model does not hold (1 + w)
         self._checked: dict[int, str | None] = {}  # id(cache) → cache_reason, asked once per cache
         self._plan_of: tuple | None = None  # (a weak reference to the cache, its _Plan): see _plan
@@ -125,8 +127,7 @@ class CpuDecodeBackend:
             if isinstance(desc, str):
                 return f"layer {i}: {desc}"
             layers.append(desc)
-        head = describe_head(model, keep)  # why not: the modules run the head, as before
-        return cls(model, layers, keep, lib, None if isinstance(head, str) else head)
+        return cls(model, layers, keep, lib)
 
     def cache_reason(self, cache) -> str | None:
         """Why this cache cannot be read by the C step (None: it can)."""
@@ -238,12 +239,10 @@ class CpuDecodeBackend:
         emb = self.model.embed_tokens
         if self.embed_fmt is None or emb._forward_hooks or emb._forward_pre_hooks:
             return emb(input_ids)[0]
-        from kvlab.kernels import quant
-
         table, ids = emb.packed_0, input_ids.reshape(-1).to(torch.int64).contiguous()
         x = torch.empty(ids.numel(), emb.shape[1])
-        status = quant._library()["dequantize_rows"](self.embed_fmt, table.data_ptr(), table.stride(0), table.shape[0],
-                                                     ids.data_ptr(), ids.numel(), x.data_ptr(), x.shape[1])  # fmt: skip
+        status = self._rows_of_table(self.embed_fmt, table.data_ptr(), table.stride(0), table.shape[0], ids.data_ptr(),
+                                     ids.numel(), x.data_ptr(), x.shape[1])  # fmt: skip
         if status == -2:
             raise IndexError(f"a token id outside the vocabulary of {table.shape[0]}: {ids.tolist()}")
         if status:

@@ -1734,17 +1734,20 @@ typedef struct {
     int64_t ldy, rows, n;
 } Expansion;
 
+// `rows` rows of W from w (ldw bytes apart) as floats into y (ldy apart): the reference's values, bit for bit
+static void expand_rows(int fmt, const uint8_t* w, int64_t ldw, int rows, int64_t n, float* y, int64_t ldy) {
+    const Format* f = &FORMATS[fmt];
+    if (block_items(fmt)) {
+        for (int k = 0; k < rows; k++) expand_row(fmt, w + k * ldw, n, y + k * ldy);
+    } else {
+        f->dequant(w, ldw, rows, n / f->values, y, ldy);
+    }
+}
+
 static void expand_items(void* ctx, uint32_t begin, uint32_t end) {  // item b: rows ROWS·b ..
     const Expansion e = *(const Expansion*)ctx;
-    const Format* f = &FORMATS[e.fmt];
-    for (int64_t r = (int64_t)begin * ROWS; r < (int64_t)end * ROWS && r < e.rows; r += ROWS) {
-        int rows = e.rows - r < ROWS ? (int)(e.rows - r) : ROWS;
-        if (block_items(e.fmt)) {
-            for (int k = 0; k < rows; k++) expand_row(e.fmt, e.w + (r + k) * e.ldw, e.n, e.y + (r + k) * e.ldy);
-        } else {
-            f->dequant(e.w + r * e.ldw, e.ldw, rows, e.n / f->values, e.y + r * e.ldy, e.ldy);
-        }
-    }
+    for (int64_t r = (int64_t)begin * ROWS; r < (int64_t)end * ROWS && r < e.rows; r += ROWS)
+        expand_rows(e.fmt, e.w + r * e.ldw, e.ldw, e.rows - r < ROWS ? (int)(e.rows - r) : ROWS, e.n, e.y + r * e.ldy, e.ldy);
 }
 
 // y [rows, n] (row stride ldy) = the reference's values of W's blocks, bit for bit. Returns 0, or −1 as
@@ -1766,11 +1769,7 @@ int kvlab_quant_dequantize_rows(int fmt, const uint8_t* w, int64_t ldw, int64_t 
     if (fmt < 0 || fmt >= NUM_FORMATS || !FORMATS[fmt].dequant || n % FORMATS[fmt].values) return -1;
     for (int64_t i = 0; i < m; i++)
         if (ids[i] < 0 || ids[i] >= rows) return -2;
-    const Format* f = &FORMATS[fmt];
-    for (int64_t i = 0; i < m; i++) {
-        if (block_items(fmt)) expand_row(fmt, w + ids[i] * ldw, n, y + i * n);
-        else f->dequant(w + ids[i] * ldw, ldw, 1, n / f->values, y + i * n, n);
-    }
+    for (int64_t i = 0; i < m; i++) expand_rows(fmt, w + ids[i] * ldw, ldw, 1, n, y + i * n, n);
     return 0;
 }
 
