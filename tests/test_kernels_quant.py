@@ -26,7 +26,7 @@ from quant_blocks import FP16_FIELDS, oracle, random_blocks
 needs_kernel = pytest.mark.skipif(not quant.available(), reason="no C compiler: the reference dequantization serves")
 
 QUANTIZED = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q4_K", "Q5_K", "Q6_K"]
-ROWS = [1, 2, 3, 8, 16, 17, 32, 40, 72]  # 40, 72: more than one pass over the blocks (32 or 64 rows)
+ROWS = [1, 2, 3, 8, 16, 17, 32, 40, 72, 136]  # 40, 72, 136: more than one pass over the blocks (32, 64 or 128 rows)
 
 
 def odd_shapes(fmt: str) -> list[tuple[int, int]]:
@@ -99,16 +99,16 @@ def test_plain_rows_go_through_the_same_entry_point(fmt):
 @pytest.mark.parametrize("wide", [False, True])
 def test_results_are_bit_identical_at_any_thread_count_and_batch(fmt, wide):
     """Each output value is one thread's sum in one fixed order: the same bits on 1, 2 or 3 threads, and
-    the same bits for a row alone as inside a batch of 16, 40 or 72 (the one-row and many-row paths
-    agree), with few inputs and with many (over 1,024: AVX-512's passes take 64 rows, or 32)."""
+    the same bits for a row alone as inside a batch of 16, 40, 72 or 150 (the one-row and many-row paths
+    agree), with few inputs and with many (over 1,024: AVX-512's passes take 64 rows, else 128; 32 elsewhere)."""
     out, n = odd_shapes(fmt)[1] if fmt != "F16" else (67, 288)
     n = 1280 if wide else n
     part = packed(fmt, random_blocks(fmt, out, n, seed=9), n) if fmt != "F16" else plain(fmt, activations(out, n, 9))
-    x = activations(72, n, seed=11)  # more rows than one pass over the blocks takes
+    x = activations(150, n, seed=11)  # more rows than one pass over the blocks takes
     one = quant.packed_linear(x, [part], out, threads=1)
     for threads in (2, 3):
         assert torch.equal(quant.packed_linear(x, [part], out, threads=threads), one), threads
-    for rows in (1, 2, 3, 4, 5, 6, 7, 8, 16, 17, 32, 33, 40, 64):
+    for rows in (1, 2, 3, 4, 5, 6, 7, 8, 16, 17, 32, 33, 40, 64, 72, 128, 129):
         assert torch.equal(quant.packed_linear(x[:rows], [part], out, threads=2), one[:rows]), rows
 
 

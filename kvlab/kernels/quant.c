@@ -53,7 +53,7 @@
 #define ROWS 8       // output rows per work item
 #define TILE 4       // output rows per register tile
 #define CK 256       // input values per chunk: a K-quant super-block, or 8 blocks of 32
-#define MAX_M 64     // activation rows per pass over the weights at most (pass_rows); more take several passes
+#define MAX_M 128    // activation rows per pass over the weights at most (pass_rows); more take several passes
 #define PARTS_M 32   // activation rows up to which a fused matrix's parts go as one job of the pool
 #define CHUNK 8      // work items claimed at a time
 #define QK_K 256     // values in a K-quant super-block
@@ -361,18 +361,23 @@ static inline vf load(const float* p) {
 // The sums of ROWS accumulator vectors, each folded in one fixed order: lane i + lane i + VL/2, then
 // i + VL/4, ... Only the order matters for the bits, so the AVX-512 version folds four at once with
 // shuffles (a scalar fold per output cost as much as a 16-row product's FMAs).
-static inline void hsum4(const vf* v, float* sums) {
 #if defined(__AVX512F__)
-    __m512 a = (__m512)v[0], b = (__m512)v[1], c = (__m512)v[2], d = (__m512)v[3];
+// The four sums of a, b, c and d in lanes 0, 4, 8 and 12, each folded in the same fixed order
+static inline __m512 hsum4_lanes(__m512 a, __m512 b, __m512 c, __m512 d) {
     // [a0 + a2, a1 + a3, b0 + b2, b1 + b3] in 128-bit quarters: lane i + lane i + 8 of a, then of b
     __m512 ab = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
     __m512 cd = _mm512_add_ps(_mm512_shuffle_f32x4(c, d, 0x44), _mm512_shuffle_f32x4(c, d, 0xEE));
     // quarter k: output k's lanes i + i + 4
     __m512 s = _mm512_add_ps(_mm512_shuffle_f32x4(ab, cd, 0x88), _mm512_shuffle_f32x4(ab, cd, 0xDD));
     s = _mm512_add_ps(s, _mm512_permute_ps(s, 0x4E));  // i + i + 2
-    s = _mm512_add_ps(s, _mm512_permute_ps(s, 0xB1));  // i + i + 1
+    return _mm512_add_ps(s, _mm512_permute_ps(s, 0xB1));  // i + i + 1
+}
+#endif
+
+static inline void hsum4(const vf* v, float* sums) {
+#if defined(__AVX512F__)
     float all[16];
-    _mm512_storeu_ps(all, s);
+    _mm512_storeu_ps(all, hsum4_lanes((__m512)v[0], (__m512)v[1], (__m512)v[2], (__m512)v[3]));
     for (int k = 0; k < 4; k++) sums[k] = all[4 * k];
 #else
     for (int k = 0; k < 4; k++) {
@@ -694,12 +699,18 @@ static inline __attribute__((always_inline)) void fused_rows(int fmt, const int 
         for (int r = 0; r < R; r++) out[i * ROWS + r] = acc[r][i];
 }
 
-// y[i, o0 + r] for the item's rows: each sum's one accumulator folded in hsum4's fixed order
+// y[i, o0 + r] for the item's rows: each sum's one accumulator folded in hsum4's fixed order, the
+// item's sums of a row gathered into one vector and stored at once (a store a sum and their reload
+// through memory were 2-3% of a long prompt's products)
 static void finish_block_item(const Product* p, int64_t o0, int rows, int64_t m, const __m512* acc) {
+    _Static_assert(ROWS == 2 * TILE && TILE == 4, "an item's sums: two hsum4_lanes, 8 lanes");
+    const __m512i gather = _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 0, 0, 0, 0, 0, 0, 0, 0);
+    const __mmask8 keep = (__mmask8)((1u << rows) - 1);
     for (int64_t i = 0; i < m; i++) {
-        float sums[ROWS];
-        for (int h = 0; h < ROWS; h += TILE) hsum4((const vf*)(acc + i * ROWS + h), sums + h);
-        for (int r = 0; r < rows; r++) p->y[i * p->ldy + o0 + r] = sums[r];
+        const __m512* a = acc + i * ROWS;
+        const __m512 low = hsum4_lanes(a[0], a[1], a[2], a[3]), high = hsum4_lanes(a[4], a[5], a[6], a[7]);
+        const __m256 sums = _mm512_castps512_ps256(_mm512_permutex2var_ps(low, gather, high));
+        _mm256_mask_storeu_ps(p->y + i * p->ldy + o0, keep, sums);
     }
 }
 
@@ -736,9 +747,11 @@ static inline __attribute__((always_inline)) void tile_rows(const int M, const f
         for (int r = 0; r < TILE; r++) acc[i * ROWS + r] = a[i][r];
 }
 
+// The chunk's tiles, a tile's activation rows taken for both halves of the item in turn (read from L2
+// once a chunk, not once a half: pass_rows)
 static void tiles(const float* wb, const float* x, int64_t ldx, int64_t m, int64_t len, int first, __m512* acc) {
-    for (int h = 0; h < ROWS; h += TILE)
-        for (int64_t i = 0; i < m; i += MX) {
+    for (int64_t i = 0; i < m; i += MX)
+        for (int h = 0; h < ROWS; h += TILE) {
             const float* xi = x + i * ldx;
             __m512* ai = acc + i * ROWS + h;
             switch (m - i < MX ? m - i : MX) {
@@ -1614,17 +1627,40 @@ static inline uint32_t claim_size(uint32_t items, int threads) {
     return share > CHUNK ? share : CHUNK;
 }
 
+// x [m, n] in its decoders' lane order (to_lane_order) into xt: a prompt's rows spread over the pool,
+// which waited for the calling thread otherwise (1,024 rows of 4,864 values: 20 MB, copied alone).
+typedef struct {
+    const float* x;
+    float* xt;
+    int64_t n;
+} LaneOrder;
+
+static void lane_order_rows(void* ctx, uint32_t begin, uint32_t end) {
+    const LaneOrder* l = (const LaneOrder*)ctx;
+    to_lane_order(l->x + begin * l->n, l->xt + begin * l->n, (int64_t)(end - begin) * l->n);
+}
+
+static void x_in_lane_order(const float* x, float* xt, int64_t m, int64_t n, int threads) {
+    LaneOrder l = {x, xt, n};
+    if (m < 64 || threads < 2)
+        lane_order_rows(&l, 0, (uint32_t)m);
+    else
+        kvlab_pool_run(lane_order_rows, &l, (uint32_t)m, 16, threads);
+}
+
 // Activation rows a pass over the weights takes: each pass decodes every block once, for all its rows.
-// With AVX-512, 64 where the inputs are few, else 32: Qwen2.5-Coder-0.5B's 512-row prompt products on a
-// Zen 4 VM, 2 threads, interleaved (fastest of 5): at 896 inputs the Q5_0 gate 26.9 -> 25.4 ms, q/o 5.06
-// -> 4.81 ms, Q8_0 4.86 -> 4.63 ms; at 4,864 inputs (19 chunks, each re-reading the pass's sums: 32 KB
-// of them at 64 rows) the Q4_K and Q6_K down projections 26.2 -> 26.7 and 26.9 -> 27.6 ms, so 32 there.
+// With AVX-512, 128 where the inputs are few, else 64; 32 elsewhere. Qwen2.5-Coder-0.5B's 512-row
+// prompt products on a Zen 4 VM, 2 threads, alternated builds (2026-12-07; tiles() taking a tile's
+// rows once for both halves of the item, so that the pass's sums are read once a chunk): against 64
+// and 32 rows before, at 896 inputs the Q5_0 gate 25.7 -> 24.5 ms, Q8_0 25.6 -> 24.5, a 896 × 896
+// Q5_0 matrix 4.91 -> 4.68; at 4,864 inputs the Q5_0, Q8_0, Q4_K and Q6_K down projections 3-5% less.
+// 256 rows took as long as 128.
 static inline int64_t pass_rows(int64_t n) {
 #if defined(__AVX512F__) && defined(__AVX512VL__)
     return n <= 1024 ? MAX_M : MAX_M / 2;
 #else
     (void)n;
-    return MAX_M / 2;
+    return MAX_M / 4;
 #endif
 }
 
@@ -1641,7 +1677,7 @@ int kvlab_quant_matmul(int fmt, const uint8_t* w, int64_t ldw, const float* x, f
     float* xs = NULL;
     if (task && in_lane_order(fmt)) {
         if (!(xt = aligned_alloc(64, (m * n * sizeof(float) + 63) / 64 * 64))) return -2;  // whole-line loads
-        to_lane_order(x, xt, m * n);
+        x_in_lane_order(x, xt, m, n, threads);
         x = xt;
     }
     if (task && wants_sums(fmt)) {
@@ -1705,7 +1741,7 @@ int kvlab_quant_matmul_parts(int num, const int* fmt, const uint8_t* const* w, c
         if (task && in_lane_order(fmt[j])) {
             if (!xt) {
                 if (!(xt = aligned_alloc(64, (m * n * sizeof(float) + 63) / 64 * 64))) return free(xs), -2;
-                to_lane_order(x, xt, m * n);
+                x_in_lane_order(x, xt, m, n, threads);
             }
             xj = xt;
         }
