@@ -1662,17 +1662,16 @@ static void x_in_lane_order(const float* x, float* xt, int64_t m, int64_t n, int
 }
 
 // Activation rows a pass over the weights takes: each pass decodes every block once, for all its rows.
-// With AVX-512, 128 where the inputs are few, else 64; 32 elsewhere. Qwen2.5-Coder-0.5B's 512-row
-// prompt products on a Zen 4 VM, 2 threads, alternated builds (2026-12-07; tiles() taking a tile's
-// rows once for both halves of the item, so that the pass's sums are read once a chunk): against 64
-// and 32 rows before, at 896 inputs the Q5_0 gate 25.7 -> 24.5 ms, Q8_0 25.6 -> 24.5, a 896 × 896
-// Q5_0 matrix 4.91 -> 4.68; at 4,864 inputs the Q5_0, Q8_0, Q4_K and Q6_K down projections 3-5% less.
-// 256 rows took as long as 128.
-static inline int64_t pass_rows(int64_t n) {
+// With AVX-512, 128; 32 elsewhere. Qwen2.5-Coder-0.5B's 512-row prompt products on a Zen 4 VM, 2
+// threads, alternated builds (2026-12-07; tiles() taking a tile's rows once for both halves of the
+// item, so that the pass's sums are read once a span): against 64 rows before (at most 1,024 inputs),
+// the Q5_0 gate 25.7 -> 24.5 ms, Q8_0 25.6 -> 24.5, a 896 × 896 Q5_0 matrix 4.91 -> 4.68; against 32
+// (more inputs), the 896 × 4,864 down projections 3-5% less, and 2-4% less again at 128 rows than at
+// 64 once the tiles ran over spans (stored_item). 256 rows took as long as 128.
+static inline int64_t pass_rows(void) {
 #if defined(__AVX512F__) && defined(__AVX512VL__)
-    return n <= 1024 ? MAX_M : MAX_M / 2;
+    return MAX_M;
 #else
-    (void)n;
     return MAX_M / 4;
 #endif
 }
@@ -1697,7 +1696,7 @@ int kvlab_quant_matmul(int fmt, const uint8_t* w, int64_t ldw, const float* x, f
         if (!(xs = malloc(m * sums_stride(n) * sizeof(float)))) return -2;
         x_sums(x, m, n, xs);
     }
-    const int64_t rows = pass_rows(n);
+    const int64_t rows = pass_rows();
     for (int64_t i = 0; i < m; i += rows) {  // each pass reads the blocks once for up to `rows` rows
         Product p = {fmt, w, ldw, x + i * n, y + i * ldy, m - i < rows ? m - i : rows, n, ldy, out,
                      xs ? xs + i * sums_stride(n) : NULL};
