@@ -100,7 +100,7 @@ def test_plain_rows_go_through_the_same_entry_point(fmt):
 def test_results_are_bit_identical_at_any_thread_count_and_batch(fmt, wide):
     """Each output value is one thread's sum in one fixed order: the same bits on 1, 2 or 3 threads, and
     the same bits for a row alone as inside a batch of 16, 40, 72 or 150 (the one-row and many-row paths
-    agree), with few inputs and with many (passes of 128 rows on AVX-512, 32 elsewhere)."""
+    agree), with few inputs and with many (AVX-512's passes: 128 rows of blocks, 64 or 32 float rows)."""
     out, n = odd_shapes(fmt)[1] if fmt != "F16" else (67, 288)
     n = 1280 if wide else n
     part = packed(fmt, random_blocks(fmt, out, n, seed=9), n) if fmt != "F16" else plain(fmt, activations(out, n, 9))

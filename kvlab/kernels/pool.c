@@ -136,15 +136,23 @@ static void* worker(void* arg) {
     return NULL;
 }
 
+// A worker's stack: the kernels keep an item's sums there (quant.c's stored products: about 100 KB at a
+// pass of 128 rows), more than some C libraries give a thread by default (musl: 128 KB)
+#define WORKER_STACK ((size_t)4 << 20)
+
 // The number of workers up to `wanted` that exist (fewer only if a thread could not be created).
 static int start_workers(int wanted) {
     int n = atomic_load_explicit(&num_workers, memory_order_relaxed);
+    pthread_attr_t attr;
+    const int sized = pthread_attr_init(&attr) == 0;
+    if (sized) pthread_attr_setstacksize(&attr, WORKER_STACK);
     for (; n < wanted; n++) {
         pthread_t t;
-        if (pthread_create(&t, NULL, worker, (void*)(intptr_t)n) != 0) break;
+        if (pthread_create(&t, sized ? &attr : NULL, worker, (void*)(intptr_t)n) != 0) break;
         pthread_detach(t);
         atomic_store_explicit(&num_workers, n + 1, memory_order_relaxed);
     }
+    if (sized) pthread_attr_destroy(&attr);
     return n < wanted ? n : wanted;
 }
 

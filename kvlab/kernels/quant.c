@@ -54,6 +54,7 @@
 #define TILE 4       // output rows per register tile
 #define CK 256       // input values per chunk: a K-quant super-block, or 8 blocks of 32
 #define MAX_M 128    // activation rows per pass over the weights at most (pass_rows); more take several passes
+#define BUFFERED_M 64  // the same for buffered_items (float rows: their sums take twice the stack a row)
 #define PARTS_M 32   // activation rows up to which a fused matrix's parts go as one job of the pool
 #define CHUNK 8      // work items claimed at a time
 #define QK_K 256     // values in a K-quant super-block
@@ -454,8 +455,8 @@ static void buffered_items(void* ctx, uint32_t begin, uint32_t end) {
     const Product p = *(const Product*)ctx;
     const Format* f = &FORMATS[p.fmt];
     float wb[ROWS * CK] __attribute__((aligned(64)));  // the chunk's weights as floats: L1-resident
-    vf acc[MAX_M * ROWS * 2];
-    float tail[MAX_M * ROWS];  // plain rows whose length is no multiple of VL: the last values, in order
+    vf acc[BUFFERED_M * ROWS * 2];
+    float tail[BUFFERED_M * ROWS];  // plain rows whose length is no multiple of VL: the last values, in order
     for (int64_t item = begin; item < end; item++) {
         const int64_t o0 = item * ROWS;
         const int rows = p.out - o0 < ROWS ? (int)(p.out - o0) : ROWS;
@@ -1676,6 +1677,18 @@ static inline int64_t pass_rows(void) {
 #endif
 }
 
+// buffered_items' passes (float rows, expanded by the exact dequantizers), whose sums take twice a block
+// path's stack a row: what every pass took before the block paths' 128 rows, with AVX-512 64 where a
+// matrix has at most 1,024 inputs, else 32
+static inline int64_t buffered_rows(int64_t n) {
+#if defined(__AVX512F__) && defined(__AVX512VL__)
+    return n <= 1024 ? BUFFERED_M : BUFFERED_M / 2;
+#else
+    (void)n;
+    return BUFFERED_M / 2;
+#endif
+}
+
 // y[i, o] (row stride ldy) = sum_j x[i, j] · W[o, j]; W: `out` rows of format `fmt`, row o's blocks at
 // w + o·ldw; x: [m, n] float32. Returns 0; −1 for an unknown format or n not a whole number of blocks;
 // −2 when no memory was left for the activations in lane order.
@@ -1696,7 +1709,7 @@ int kvlab_quant_matmul(int fmt, const uint8_t* w, int64_t ldw, const float* x, f
         if (!(xs = malloc(m * sums_stride(n) * sizeof(float)))) return -2;
         x_sums(x, m, n, xs);
     }
-    const int64_t rows = pass_rows();
+    const int64_t rows = task ? pass_rows() : buffered_rows(n);
     for (int64_t i = 0; i < m; i += rows) {  // each pass reads the blocks once for up to `rows` rows
         Product p = {fmt, w, ldw, x + i * n, y + i * ldy, m - i < rows ? m - i : rows, n, ldy, out,
                      xs ? xs + i * sums_stride(n) : NULL};
