@@ -137,7 +137,7 @@ static void* worker(void* arg) {
 }
 
 // A worker's stack: the kernels keep an item's sums there (quant.c's stored products: about 100 KB at a
-// pass of 128 rows), more than some C libraries give a thread by default (musl: 128 KB)
+// pass of 128 rows), close to what some C libraries give a thread by default (musl: 128 KB)
 #define WORKER_STACK ((size_t)4 << 20)
 
 // The number of workers up to `wanted` that exist (fewer only if a thread could not be created).
