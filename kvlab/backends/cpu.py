@@ -71,6 +71,7 @@ class CpuDecodeBackend:
         self.model, self.layers, self.lib = model, layers, lib
         head = describe_head(model, keep)  # a string says why not: the modules run the head
         self.head = None if isinstance(head, str) else head  # (its LinearDesc, the norm's weights, eps), or None
+        self._head_blocks = self.head is not None and self.head[0].parts[0].kind == BLOCKS  # any rows: no BLAS
         self.embed_fmt = embedding_format(model)  # the token table's format where C looks its rows up, or None
         self._rows_of_table = quant._library()["dequantize_rows"] if self.embed_fmt is not None else None
         self._keep = keep  # tensors the descriptions point at that the model does not hold (1 + w)
@@ -257,7 +258,7 @@ class CpuDecodeBackend:
         model = self.model
         if any(m._forward_hooks or m._forward_pre_hooks for m in (model.norm, model.lm_head)):
             return False
-        return bool(self.head[0].parts[0].kind == BLOCKS or rows <= policy.max_kernel_rows)
+        return self._head_blocks or rows <= policy.max_kernel_rows
 
     def _plan(self, cache, k_fmt: int, v_fmt: int) -> _Plan:
         """What every layer's step reads that lasts as long as the cache (asked once per cache, not per step)."""
