@@ -786,10 +786,10 @@ static inline __attribute__((always_inline)) void stored_item(int fmt, const Pro
     float s[ROWS][SROW] __attribute__((aligned(64)));
     __m512 acc[MAX_M * ROWS];  // set by the first span's tiles (no inputs at all: zeros)
     for (int64_t k = 0; p->n == 0 && k < p->m * ROWS; k++) acc[k] = _mm512_setzero_ps();
-    const int64_t wbs = p->m <= 32 ? 2 * CK : SPAN;
+    const int64_t span = p->m <= 32 ? 2 * CK : SPAN;  // values a span takes (the buffer's row stride: len)
     for (int64_t c = 0, len; c < p->n; c += len) {
         const int64_t left = p->n - c;  // a short last span (576 inputs: 512 + 64) joins the one before
-        len = left <= SPAN && left < wbs + CK ? left : wbs;
+        len = left <= SPAN && left < span + CK ? left : span;
         for (int64_t cc = c; cc < c + len; cc += CK) {
             const int64_t clen = p->n - cc < CK ? p->n - cc : CK;
             if (FORMATS[fmt].values == QK_K) chunk_scales(fmt, ROWS, row, cc, s);
