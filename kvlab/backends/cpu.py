@@ -70,6 +70,7 @@ class CpuDecodeBackend:
 
     def __init__(self, model, layers: list[LayerDesc], keep: list[torch.Tensor], lib):
         self.model, self.layers, self.lib = model, layers, lib
+        self._moes = [d.moe.contents for d in layers if d.moe]  # the mixtures' descriptions: the step sizes their scratch
         head = describe_head(model, keep)  # a string says why not: the modules run the head
         self.head = None if isinstance(head, str) else head  # (its LinearDesc, the norm's weights, eps), or None
         self._head_blocks = self.head is not None and self.head[0].parts[0].kind == BLOCKS  # any rows: no BLAS
@@ -199,7 +200,7 @@ class CpuDecodeBackend:
         angles, keep = (Angles * max(len(plan.ropes), 1))(), []  # each rotary table's cos/sin at the positions
         for j, rope in enumerate(plan.ropes):
             table = model._rotary_of(rope)
-            keep += (cos := table.cos[positions].contiguous(), sin := table.sin[positions].contiguous())
+            keep += (cos := table.cos.index_select(0, positions), sin := table.sin.index_select(0, positions))
             angles[j] = Angles(cos.data_ptr(), sin.data_ptr())
         views = (KVView * max(len(plan.views), 1))()  # each (KV group, window) pair's tables
         for j, (g, window) in enumerate(plan.views):
@@ -277,11 +278,10 @@ class CpuDecodeBackend:
         return desc.heads * desc.head_dim if desc.gate.num_parts else 1
 
     def _moe_scratch(self, B: int) -> torch.Tensor | None:
-        moes = [d.moe.contents for d in self.layers if d.moe]
-        if not moes:
+        if not self._moes:
             return None
         E = self.model.config.hidden_size
-        return torch.empty(B * E + max(self.lib["moe_scratch_floats"](ctypes.byref(m), B, E) for m in moes))
+        return torch.empty(B * E + max(self.lib["moe_scratch_floats"](ctypes.byref(m), B, E) for m in self._moes))
 
     def _rank_failed(self, layer: int):
         from kvlab.parallel.group import RankFailed
