@@ -207,6 +207,37 @@ def test_a_prompts_gated_mlp_in_one_pass_gives_the_mlps_own_bits(gguf_file, monk
     assert torch.equal(fused, apart)
 
 
+@pytest.mark.skipif(not quant.gated_prompt_rows(), reason="no AMX tiles for bfloat16, vpdpbusd or AVX2 here: no gated pass")
+def test_a_long_prompts_mlp_goes_in_slices_of_rows_with_the_bits_of_one_pass(gguf_file, monkeypatch):
+    """More rows than MLP_ROWS: the fused MLP takes them in slices of equal rows (gate·up, activation, down
+    per slice, so that a slice's activations are still in cache for down), every slice in the one-pass
+    kernel; the logits bit for bit those of the whole pass at once and of the MLP's own path."""
+    from kvlab.backends.ops import CpuOps
+    from kvlab.model import layers
+
+    loaded = with_int8_activations(load_model(gguf_file))
+    least = quant.gated_prompt_rows()
+    ids = torch.randint(3, 500, (4 * least + 30,), generator=torch.Generator().manual_seed(6)).tolist()
+    calls = []
+    fused_product = CpuOps.gated_product
+    monkeypatch.setattr(CpuOps, "gated_product", lambda self, x, *a: calls.append(x.numel() // x.shape[-1]) or fused_product(self, x, *a))
+
+    def logits():
+        return ModelDriver(loaded.model).append(ids, ContiguousKVCache.for_model(loaded.config, 512))
+
+    monkeypatch.setattr(layers, "MLP_ROWS", 2 * least)
+    sliced = logits()
+    assert len(calls) == 3 * loaded.config.num_layers  # 3 slices a layer, none under the pass's least rows
+    assert min(calls) >= least and sum(calls[:3]) == len(ids)
+    monkeypatch.setattr(layers, "MLP_ROWS", 1 << 20)
+    calls.clear()
+    whole = logits()
+    assert calls == [len(ids)] * loaded.config.num_layers
+    monkeypatch.setattr(CpuOps, "gated_product", lambda self, *a: None)
+    apart = logits()
+    assert torch.equal(sliced, whole) and torch.equal(sliced, apart)
+
+
 def test_int8_prompt_passes_attend_on_bfloat16_tiles_where_their_products_go_in_bfloat16(gguf_file, monkeypatch):
     """The int8 setting marks every attention layer (prompt_bf16) where this machine's products go in
     bfloat16 from bf16_prompt_rows() rows; its prompt passes then ask for the tiles' attention, the exact
