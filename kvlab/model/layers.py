@@ -153,11 +153,12 @@ class Linear(nn.Module):
         return self.in_features * self.out_features
 
 
-# Rows of a prompt pass the fused MLP takes at a time: a slice's gate·up activations (rows × I floats) and
-# their int8 copy stay in cache for the down product that reads them, where a 1,024-row pass wrote 20 MB of
-# them for Qwen2.5-Coder-0.5B and read them back from memory (its 16 × 64-token burst of prompts 0.92×, one
-# 1,024-token prompt 0.90× the time, int8, Zen 4). Each row's numbers are its own in the C kernels, so
-# slicing gives the same bits.
+# Rows of a prompt pass a gated MLP of stored blocks takes at a time on the CPU, in slices of equal rows (at least
+# MLP_ROWS / 2: every slice takes the int8 setting's one-pass kernel if the pass does): a slice's gate and
+# up outputs stay in cache for the down product that reads them, where a 1,024-row pass of Qwen2.5-Coder-0.5B
+# wrote 20-40 MB of them and read them back from memory. Its 16 × 64-token burst of prompts took 0.92× the
+# time with int8 activations and 0.93× exact, one 1,024-token prompt 0.90× (Zen 4, 2 threads). Each row's
+# numbers are its own in the C kernels, so the slices give the same bits as the whole pass.
 MLP_ROWS = 256
 
 
@@ -177,33 +178,24 @@ class GatedMLP(nn.Module):
         raise NotImplementedError
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // x.shape[-1]
+        if rows <= MLP_ROWS or not hasattr(self.gate_up_proj, "packed") or x.device.type != "cpu":
+            return self._rows(x)
+        flat, slices = x.reshape(rows, x.shape[-1]), -(-rows // MLP_ROWS)
+        y = [self._rows(flat[i * rows // slices : (i + 1) * rows // slices]) for i in range(slices)]
+        return torch.cat(y).view(*x.shape[:-1], -1)
+
+    def _rows(self, x: torch.Tensor) -> torch.Tensor:
         act_id = activation_ids().get(self.activation)
         gated = getattr(self.gate_up_proj, "gated", None)  # stored blocks (quant.linear.PackedLinear)
-        if gated is not None and act_id is not None:
-            fused = self._fused(x, gated, act_id)
-            if fused is not None:
-                return fused
+        fused = gated(x, act_id) if gated is not None and act_id is not None else None
+        if fused is not None:  # gate, up and the activation in one pass (the same bits as below)
+            return self.down_proj(fused)
         gate, up = self.gate_up_proj.forward_parts(x)  # [B, T, I] each
         rows = gate.numel() // gate.shape[-1]
         if act_id is not None and gate.dtype == torch.float32 and current_ops().small_ops(gate, rows):
             return self.down_proj(gated_act(gate, up, act_id))  # the C step's own activation (its bits)
         return self.down_proj(self.act(gate) * up)
-
-    def _fused(self, x: torch.Tensor, gated, act_id: int) -> torch.Tensor | None:
-        """down(act(gate) · up) with gate, up and the activation in one pass (the same bits as forward's own
-        path), a long pass's rows in slices of about MLP_ROWS; None where that pass does not apply."""
-        rows = x.numel() // x.shape[-1]
-        slices = -(-rows // MLP_ROWS)
-        if slices < 2:
-            fused = gated(x, act_id)
-            return None if fused is None else self.down_proj(fused)
-        flat, out = x.reshape(rows, x.shape[-1]), []
-        for i in range(slices):  # slices of equal rows: each takes the pass if the first does
-            fused = gated(flat[i * rows // slices : (i + 1) * rows // slices], act_id)
-            if fused is None:
-                return None
-            out.append(self.down_proj(fused))
-        return torch.cat(out).view(*x.shape[:-1], -1)
 
 
 class SwiGLU(GatedMLP):
