@@ -153,12 +153,12 @@ class Linear(nn.Module):
         return self.in_features * self.out_features
 
 
-# Rows of a prompt pass a gated MLP of stored blocks takes at a time on the CPU, in slices of equal rows (at least
-# MLP_ROWS / 2: every slice takes the int8 setting's one-pass kernel if the pass does): a slice's gate and
-# up outputs stay in cache for the down product that reads them, where a 1,024-row pass of Qwen2.5-Coder-0.5B
-# wrote 20-40 MB of them and read them back from memory. Its 16 × 64-token burst of prompts took 0.92× the
-# time with int8 activations and 0.93× exact, one 1,024-token prompt 0.90× (Zen 4, 2 threads). Each row's
-# numbers are its own in the C kernels, so the slices give the same bits as the whole pass.
+# Rows of a prompt pass a gated MLP of stored blocks takes at a time on the CPU, in slices of equal rows
+# (at least MLP_ROWS / 2: every slice takes the int8 setting's one-pass kernel if the pass does): a slice's
+# gate and up outputs stay in cache for the down product that reads them, where a 1,024-row pass of
+# Qwen2.5-Coder-0.5B wrote 20-40 MB of them and read them back from memory. Its 16 × 64-token burst of
+# prompts took 0.92× the time with int8 activations and exact, one 1,024-token prompt 0.90× (int8; Zen 4,
+# 2 threads). Each row's numbers are its own in the C kernels, so the slices give the whole pass's bits.
 MLP_ROWS = 256
 
 
