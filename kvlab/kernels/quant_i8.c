@@ -657,9 +657,15 @@ LAYOUT_ROWS(5)
 LAYOUT_ROWS(6)
 LAYOUT_ROWS(7)
 LAYOUT_ROWS(8)
-LAYOUT_ROWS(16)
 static void (*const ROWS_OF[MTILE])(const Product*, const uint8_t*, int64_t, const uint8_t*, __m512*) = {
     rows_1, rows_2, rows_3, rows_4, rows_5, rows_6, rows_7, rows_8};
+
+// WIDE_M rows of a 5-bit item (Q5_K, Q5_0), its codes made in registers (no split copy): the only
+// layouts that pass is for (see SPLIT_ONCE)
+static void wide_rows(const Product* p, const uint8_t* item, int64_t i0, __m512* acc) {
+    if (p->l.kq) item_rows(p, item, i0, WIDE_M, 2, 8, 1, 1, NULL, acc);
+    else item_rows(p, item, i0, WIDE_M, 2, 8, 0, 0, NULL, acc);
+}
 
 #if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__linux__)
 // Intel AMX: one TDPBSUD multiplies a 16-row tile of activations (signed) by a group's codes (unsigned)
@@ -1383,7 +1389,7 @@ static void items(void* ctx, uint32_t begin, uint32_t end) {
 #endif
         for (; !whole && p->l.nibble == 2 && p->end - i >= WIDE_M; i += WIDE_M) {
             __m512 acc[WIDE_M];
-            rows_16(p, p->w + it * ib, i, NULL, acc);
+            wide_rows(p, p->w + it * ib, i, acc);
             for (int k = 0; k < WIDE_M; k++) _mm512_mask_storeu_ps(p->y + (i + k) * p->ldy + o0, keep, acc[k]);
         }
         for (; i < p->end; i += MTILE) {
