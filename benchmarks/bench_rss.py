@@ -253,13 +253,14 @@ engine.add_request(tokenizer.encode(sys.argv[4]), SamplingParams(max_tokens=64, 
 while engine.has_unfinished_requests:
     engine.step()
 stage("64 tokens generated")
-# what could go: the GGUF parse's metadata (the tokenizer's vocabulary as Python objects), kept on the model
+# the GGUF parse's metadata (the tokenizer's vocabulary as Python objects): what LLM() lets go once its tokenizer
+# and engine are built (this script builds them itself, so it drops it here)
 held = getattr(loaded, "gguf", None)
 if held is not None:
     loaded.gguf = None
     del held
     gc.collect()
-    stage("without the kept GGUF parse (gc)")
+    stage("without the GGUF parse (as LLM() drops it)")
 rope = [m for m in loaded.model.modules() if hasattr(m, "cos") and isinstance(getattr(m, "cos"), torch.Tensor)]
 rope_bytes = sum(m.cos.nbytes + m.sin.nbytes for m in rope)
 maps = {}

@@ -137,6 +137,26 @@ def test_a_gguf_files_nextn_block_drafts_what_the_folders_mtp_does(folder, tmp_p
     assert llm.engine.spec.stats.acceptance_rate >= 0.99
 
 
+def test_llm_lets_the_files_parse_go_and_a_later_head_reads_the_file_again(folder, tmp_path):
+    """LLM() keeps no parse of a GGUF file once its tokenizer and engine are built (resident metadata: the
+    vocabulary as Python objects); an MTP head loaded later from the same model opens the file again and
+    holds the same tensors as one loaded from the loader's own parse."""
+    from tiny_hybrid import build_tiny_hybrid_gguf
+
+    from kvlab.model.loader import load_model
+
+    kind, directory = folder
+    gguf = build_tiny_hybrid_gguf(directory, tmp_path / "m.gguf", kind)
+    llm = LLM(gguf)
+    assert llm.loaded.gguf is None
+    parsed = load_model(gguf)
+    assert parsed.gguf is not None
+    later, first = load_mtp_head(llm.loaded).state_dict(), load_mtp_head(parsed).state_dict()
+    assert later.keys() == first.keys() and len(first) > 0, kind
+    for name, t in first.items():
+        assert torch.equal(later[name], t), (kind, name)
+
+
 def test_mtp_of_another_architecture_is_refused_in_one_line(tmp_path):
     """A llama GGUF with a nextn block: detected, counted, not run (tests/test_speculative.py checks the rest)."""
     from tiny import add_tiny_tokenizer, build_tiny, build_tiny_gguf

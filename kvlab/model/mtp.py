@@ -89,7 +89,7 @@ def load_mtp_head(loaded) -> MTPHead:
     config, model = loaded.config, loaded.model
     with torch.device("meta"):
         head = MTPHead(model, config)
-    own, layer_tensors = _gguf_tensors(loaded) if loaded.gguf is not None else _folder_tensors(loaded)
+    own, layer_tensors = _gguf_tensors(loaded) if loaded.path.is_file() else _folder_tensors(loaded)
     missing = sorted(set(_OWN.values()) - set(own))
     if missing or not layer_tensors:
         raise KvlabError(f"{loaded.path.name} declares an MTP layer but has no {missing[0] if missing else 'layer'} "
@@ -119,9 +119,11 @@ def _gguf_tensors(loaded) -> tuple[dict, list]:
     """The same from llama.cpp's names (its converter added 1 to every norm: the GGUF config has no offset)."""
     import numpy as np
 
+    from kvlab.gguf_file import GGUFFile
     from kvlab.model.weights import _GGUF_TO_HF
 
-    gguf, prefix = loaded.gguf, f"blk.{loaded.config.num_layers}."
+    # the loader's parse, or the file parsed again where LLM() has let that go (its metadata only)
+    gguf, prefix = loaded.gguf or GGUFFile(loaded.path), f"blk.{loaded.config.num_layers}."
     nextn = {"nextn.eh_proj.weight": "fc", "nextn.enorm.weight": "pre_fc_norm_embedding",
              "nextn.hnorm.weight": "pre_fc_norm_hidden"}  # fmt: skip
     own, layer_tensors = {}, []
