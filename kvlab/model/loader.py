@@ -31,7 +31,7 @@ class LoadedModel:
     path: Path  # the .gguf file or the directory it came from
     load_s: float
     weight_format: str = ""  # how the matrices are held: 'float32', 'Q4_1 + Q8_0 (as stored)', ...
-    gguf: GGUFFile | None = None  # the parsed file (its tokenizer is read from the same parse)
+    gguf: GGUFFile | None = None  # the parsed file (its tokenizer is read from the same parse); LLM() lets it go
 
     @property
     def weight_bytes(self) -> int:
